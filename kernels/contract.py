@@ -1,0 +1,279 @@
+"""The SSD forward problem contract: one validation used by every implementation and oracle.
+
+Inputs follow mamba_ssm's ``mamba_chunk_scan_combined`` (same names, order, defaults, meaning):
+
+    x (batch, seqlen, nheads, headdim)        dt (batch, seqlen, nheads)        A (nheads,)
+    B, C (batch, seqlen, ngroups, dstate)     D (nheads,) or (nheads, headdim)  z like x
+    dt_bias (nheads,)                         initial_states (batch, nheads, headdim, dstate), or
+                                              (nseq, nheads, headdim, dstate) with cu_seqlens
+    seq_idx (batch, seqlen) int               cu_seqlens (nseq + 1,) int, batch must be 1
+
+Semantics (per batch row b, head h, group g = h // (nheads // ngroups)):
+
+    dt_t = clamp(softplus(dt_t + dt_bias), *dt_limit)    bias, softplus and clamp are each optional
+    h_t  = exp(dt_t * A_h) * h_{t-1} + dt_t * x_t (outer) B_t
+    y_t  = h_t . C_t + D * x_t,   then y_t *= silu(z_t) when z is given
+
+Packed sequences: the state is reset where seq_idx changes (also mid-chunk). A reset sequence starts
+from zeros, except that initial_states of shape (batch, ...) start each batch row (mamba_ssm's
+meaning) and initial_states of shape (nseq, ...) start each sequence of cu_seqlens.
+
+Outputs: out (x's dtype); final_states (batch, nheads, headdim, dstate) fp32, the state after the
+last position of each row; varlen_states (nseq, nheads, headdim, dstate) fp32, the state after the
+last position of each sequence of cu_seqlens.
+
+NaN/Inf policy: inputs are not scanned by default (a scan reads every input once more, which on a
+GPU costs a full extra pass); non-finite inputs then propagate to the outputs they touch, never
+silently to others. ``check_finite=True`` scans them and raises ``SSDInputError`` naming the first
+non-finite argument.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import torch
+
+ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PARAMETER_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+# Below this, softplus(v) and v differ by less than 3e-9 absolute (e^-20 = 2.1e-9): the identity
+# switch every implementation may use.
+SOFTPLUS_IDENTITY_THRESHOLD = 20.0
+
+
+class SSDInputError(ValueError):
+    """A contract violation: the message names the argument, what was expected and what was given."""
+
+
+def _fail(arg: str, expected: str, given) -> SSDInputError:
+    return SSDInputError(f"{arg}: expected {expected}, got {given}")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "shape (" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+@dataclass(frozen=True)
+class SSDProblem:
+    """A validated SSD forward call. Tensors are the caller's, unconverted; sizes are derived."""
+
+    x: torch.Tensor
+    dt: torch.Tensor
+    A: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    chunk_size: int
+    D: Optional[torch.Tensor] = None
+    z: Optional[torch.Tensor] = None
+    dt_bias: Optional[torch.Tensor] = None
+    initial_states: Optional[torch.Tensor] = None
+    seq_idx: Optional[torch.Tensor] = None
+    cu_seqlens: Optional[torch.Tensor] = None
+    dt_softplus: bool = False
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    return_final_states: bool = False
+    return_varlen_states: bool = False
+
+    @property
+    def batch(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def seqlen(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def nheads(self) -> int:
+        return self.x.shape[2]
+
+    @property
+    def headdim(self) -> int:
+        return self.x.shape[3]
+
+    @property
+    def ngroups(self) -> int:
+        return self.B.shape[2]
+
+    @property
+    def dstate(self) -> int:
+        return self.B.shape[3]
+
+    @property
+    def nchunks(self) -> int:
+        return -(-self.seqlen // self.chunk_size)
+
+    @property
+    def nseq(self) -> Optional[int]:
+        return None if self.cu_seqlens is None else self.cu_seqlens.numel() - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def has_dt_limit(self) -> bool:
+        return tuple(self.dt_limit) != (0.0, math.inf)
+
+    @property
+    def per_sequence_initial_states(self) -> bool:
+        """True when initial_states holds one state per cu_seqlens sequence, not per batch row."""
+        return (self.initial_states is not None and self.cu_seqlens is not None
+                and self.initial_states.shape[0] == self.nseq and not (self.nseq == self.batch == 1))
+
+    def resolved_seq_idx(self) -> Optional[torch.Tensor]:
+        """(batch, seqlen) int64 sequence index of every position, or None when nothing is packed."""
+        if self.seq_idx is not None:
+            return self.seq_idx.to(torch.int64)
+        if self.cu_seqlens is None:
+            return None
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(torch.int64)
+        ids = torch.repeat_interleave(torch.arange(self.nseq, device=lengths.device), lengths)
+        return ids.view(1, self.seqlen)
+
+    def with_tensors(self, **tensors) -> "SSDProblem":
+        """The same call with some tensors replaced (e.g. moved or upcast); no re-validation."""
+        return replace(self, **tensors)
+
+    def call_kwargs(self) -> dict:
+        """Keyword arguments that reproduce this call on any implementation of the contract."""
+        return dict(x=self.x, dt=self.dt, A=self.A, B=self.B, C=self.C, chunk_size=self.chunk_size,
+                    D=self.D, z=self.z, dt_bias=self.dt_bias, initial_states=self.initial_states,
+                    seq_idx=self.seq_idx, cu_seqlens=self.cu_seqlens, dt_softplus=self.dt_softplus,
+                    dt_limit=self.dt_limit, return_final_states=self.return_final_states,
+                    return_varlen_states=self.return_varlen_states)
+
+
+def _check_tensor(name, t, shape, dtypes, device, dtype_words):
+    if not isinstance(t, torch.Tensor):
+        raise _fail(name, "a torch.Tensor", type(t).__name__)
+    if tuple(t.shape) != tuple(shape):
+        raise _fail(name, "shape (" + ", ".join(str(s) for s in shape) + ")", _shape(t))
+    if t.dtype not in dtypes:
+        raise _fail(name, f"dtype {dtype_words}", t.dtype)
+    if t.device != device:
+        raise _fail(name, f"a tensor on {device} (the device of x)", f"a tensor on {t.device}")
+
+
+def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+             seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf),
+             return_final_states=False, return_varlen_states=False, *,
+             supported_chunk_sizes: Optional[Sequence[int]] = None,
+             check_finite: bool = False, implementation: str = "this implementation") -> SSDProblem:
+    """Check every argument of an SSD forward call; raise SSDInputError or return the SSDProblem."""
+    act = "float32, float16 or bfloat16"
+    if not isinstance(x, torch.Tensor):
+        raise _fail("x", "a torch.Tensor", type(x).__name__)
+    if x.dim() != 4:
+        raise _fail("x", "4 dimensions (batch, seqlen, nheads, headdim)", _shape(x))
+    batch, seqlen, nheads, headdim = x.shape
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise _fail("x", f"dtype {act}", x.dtype)
+    if seqlen == 0:
+        raise _fail("x", "seqlen (dimension 1) >= 1", "seqlen 0")
+    if min(batch, nheads, headdim) == 0:
+        raise _fail("x", "batch, nheads and headdim >= 1", _shape(x))
+    device = x.device
+    if not isinstance(B, torch.Tensor):
+        raise _fail("B", "a torch.Tensor", type(B).__name__)
+    if B.dim() != 4 or B.shape[:2] != (batch, seqlen):
+        raise _fail("B", f"shape ({batch}, {seqlen}, ngroups, dstate)", _shape(B))
+    ngroups, dstate = B.shape[2], B.shape[3]
+    if ngroups == 0 or dstate == 0:
+        raise _fail("B", "ngroups and dstate >= 1", _shape(B))
+    if nheads % ngroups:
+        raise _fail("B", f"ngroups (dimension 2) dividing nheads={nheads}", f"ngroups={ngroups}")
+    _check_tensor("B", B, (batch, seqlen, ngroups, dstate), ACTIVATION_DTYPES, device, act)
+    _check_tensor("C", C, (batch, seqlen, ngroups, dstate), ACTIVATION_DTYPES, device, act)
+    _check_tensor("dt", dt, (batch, seqlen, nheads), PARAMETER_DTYPES, device, act)
+    _check_tensor("A", A, (nheads,), PARAMETER_DTYPES, device, act)
+    if D is not None:
+        if not isinstance(D, torch.Tensor) or D.dim() not in (1, 2):
+            raise _fail("D", f"shape ({nheads},) or ({nheads}, {headdim})",
+                        _shape(D) if isinstance(D, torch.Tensor) else type(D).__name__)
+        _check_tensor("D", D, (nheads,) if D.dim() == 1 else (nheads, headdim), PARAMETER_DTYPES,
+                      device, act)
+    if z is not None:
+        _check_tensor("z", z, tuple(x.shape), ACTIVATION_DTYPES, device, act)
+    if dt_bias is not None:
+        _check_tensor("dt_bias", dt_bias, (nheads,), PARAMETER_DTYPES, device, act)
+
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise _fail("chunk_size", "a positive int", repr(chunk_size))
+    if supported_chunk_sizes is not None and chunk_size not in supported_chunk_sizes:
+        raise _fail("chunk_size", f"one of {tuple(supported_chunk_sizes)} ({implementation})",
+                    chunk_size)
+
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise _fail("cu_seqlens", "a 1-D tensor (nseq + 1,) with nseq >= 1",
+                        _shape(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__)
+        _check_tensor("cu_seqlens", cu_seqlens, tuple(cu_seqlens.shape), INDEX_DTYPES, device,
+                      "int32 or int64")
+        if batch != 1:
+            raise _fail("cu_seqlens", "batch 1 (sequences packed along seqlen)", f"batch {batch}")
+        cu = cu_seqlens.detach().cpu().tolist()
+        if cu[0] != 0:
+            raise _fail("cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] == {cu[0]}")
+        if any(b <= a for a, b in zip(cu, cu[1:])):
+            raise _fail("cu_seqlens", "strictly increasing offsets (no empty sequence)", cu)
+        if cu[-1] != seqlen:
+            raise _fail("cu_seqlens", f"cu_seqlens[-1] == seqlen == {seqlen}", f"cu_seqlens[-1] == {cu[-1]}")
+    if seq_idx is not None:
+        _check_tensor("seq_idx", seq_idx, (batch, seqlen), INDEX_DTYPES, device, "int32 or int64")
+        steps = seq_idx[:, 1:] - seq_idx[:, :-1]
+        if bool((steps < 0).any()):
+            raise _fail("seq_idx", "non-decreasing values along seqlen", "a decreasing step")
+        if bool((seq_idx < 0).any()):
+            raise _fail("seq_idx", "non-negative values", "a negative value")
+        if cu_seqlens is not None:
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+            derived = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+            if not torch.equal(seq_idx[0].to(torch.int64), derived):
+                raise _fail("seq_idx", "the sequence index implied by cu_seqlens", "a different index")
+    if return_varlen_states and cu_seqlens is None:
+        raise _fail("cu_seqlens", "a tensor when return_varlen_states=True", None)
+
+    if initial_states is not None:
+        nseq = None if cu_seqlens is None else cu_seqlens.numel() - 1
+        lead = {batch} | ({nseq} if nseq is not None else set())
+        if not isinstance(initial_states, torch.Tensor) or initial_states.dim() != 4 or \
+                initial_states.shape[0] not in lead:
+            words = f"({batch}, {nheads}, {headdim}, {dstate})" + (
+                "" if nseq is None else f" or, per sequence, ({nseq}, {nheads}, {headdim}, {dstate})")
+            raise _fail("initial_states", f"shape {words}",
+                        _shape(initial_states) if isinstance(initial_states, torch.Tensor)
+                        else type(initial_states).__name__)
+        _check_tensor("initial_states", initial_states,
+                      (initial_states.shape[0], nheads, headdim, dstate), STATE_DTYPES, device,
+                      "float32, bfloat16 or float16")
+
+    if not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2:
+        raise _fail("dt_limit", "a pair (lo, hi)", repr(dt_limit))
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    if math.isnan(lo) or math.isnan(hi) or lo < 0 or hi < lo:
+        raise _fail("dt_limit", "0 <= lo <= hi (non-NaN)", repr(tuple(dt_limit)))
+
+    if check_finite:
+        for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
+                        ("dt_bias", dt_bias), ("initial_states", initial_states)):
+            if t is not None and not bool(torch.isfinite(t).all()):
+                raise _fail(name, "finite values (check_finite=True)", "NaN or Inf")
+
+    return SSDProblem(x=x, dt=dt, A=A, B=B, C=C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
+                      initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                      dt_softplus=bool(dt_softplus), dt_limit=(lo, hi),
+                      return_final_states=bool(return_final_states),
+                      return_varlen_states=bool(return_varlen_states))
+
+
+def pack_outputs(problem: SSDProblem, out, final_states=None, varlen_states=None):
+    """mamba_ssm's return convention: out [, final_states] [, varlen_states]."""
+    result = (out,)
+    if problem.return_final_states:
+        result += (final_states,)
+    if problem.return_varlen_states:
+        result += (varlen_states,)
+    return result[0] if len(result) == 1 else result

@@ -1,0 +1,125 @@
+"""A problem recipe (shape, dtypes, features, regime, seed) and the tensors it names.
+
+Tensors are drawn on the CPU from ``torch.Generator().manual_seed(seed)`` in float64, rounded to
+their dtypes there, and only then moved to the device: a recipe means bit-identical inputs on every
+machine, and the oracles upcast exactly those rounded values.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+from kernels.contract import SSDProblem, validate
+from properties.regimes import REGIMES, draw_A, draw_dt
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class ProblemSpec:
+    """Everything that decides an SSD problem's inputs; JSON-serialisable for repro artifacts."""
+
+    batch: int = 1
+    seqlen: int = 128
+    nheads: int = 4
+    headdim: int = 16
+    dstate: int = 16
+    ngroups: int = 1
+    chunk_size: int = 64
+    regime: str = "mamba2_init"
+    seed: int = 0
+    x_dtype: str = "fp32"          # also z's dtype
+    bc_dtype: str = "fp32"
+    param_dtype: str = "fp32"      # dt, A, D, dt_bias
+    state_dtype: str = "fp32"      # initial_states
+    D: Optional[str] = None        # None, "head" (nheads,) or "channel" (nheads, headdim)
+    z: bool = False
+    dt_bias: bool = False
+    dt_softplus: bool = False
+    dt_limit: Optional[tuple[float, float]] = None
+    initial_states: bool = False
+    # Packed sequences: cu_seqlens offsets (batch must be 1); they also set seq_idx unless
+    # ``pass_seq_idx`` is False (cu_seqlens alone then implies the resets).
+    cu_seqlens: Optional[tuple[int, ...]] = None
+    pass_seq_idx: bool = True
+    per_sequence_initial_states: bool = False
+    return_final_states: bool = True
+    return_varlen_states: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ProblemSpec":
+        d = dict(d)
+        for key in ("dt_limit", "cu_seqlens"):
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
+        return cls(**d)
+
+    def describe(self) -> str:
+        return (f"b{self.batch} L{self.seqlen} h{self.nheads} p{self.headdim} n{self.dstate} "
+                f"g{self.ngroups} Q{self.chunk_size} {self.regime} x={self.x_dtype} "
+                f"bc={self.bc_dtype} seed={self.seed}")
+
+
+def _round(t64: torch.Tensor, name: str) -> torch.Tensor:
+    return t64.to(DTYPES[name])
+
+
+def build_problem(spec: ProblemSpec, device="cpu") -> SSDProblem:
+    """The validated problem a recipe names, on ``device``."""
+    regime = REGIMES[spec.regime]
+    gen = torch.Generator().manual_seed(spec.seed)
+    b, L, H, P, N, G = spec.batch, spec.seqlen, spec.nheads, spec.headdim, spec.dstate, spec.ngroups
+    randn = lambda *shape: torch.randn(shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    # Draw every tensor, optional or not, in a fixed order: turning a feature on or off leaves the
+    # other tensors of the same seed unchanged (metamorphic tests rely on that).
+    x = randn(b, L, H, P) * regime.x_scale
+    dt = draw_dt(regime, gen, (b, L, H))
+    A = draw_A(regime, gen, H)
+    B = randn(b, L, G, N) * regime.bc_scale
+    C = randn(b, L, G, N) * regime.bc_scale
+    D_head = randn(H)
+    D_channel = randn(H, P)
+    z = randn(b, L, H, P)
+    dt_bias = randn(H) * 0.5
+    nseq = 0 if spec.cu_seqlens is None else len(spec.cu_seqlens) - 1
+    init = randn(max(b, nseq), H, P, N) * regime.state_scale
+
+    # The regime draws the effective step (after bias and softplus); invert those so that
+    # clamp(softplus(dt + dt_bias)) follows the regime whichever features are on.
+    if spec.dt_softplus:
+        dt = torch.where(dt > 20.0, dt, torch.log(torch.expm1(dt)))
+    if spec.dt_bias:
+        dt = dt - dt_bias
+    pdt, xdt, bcdt, sdt = spec.param_dtype, spec.x_dtype, spec.bc_dtype, spec.state_dtype
+    kwargs = dict(
+        x=_round(x, xdt), dt=_round(dt, pdt), A=_round(A, pdt),
+        B=_round(B, bcdt), C=_round(C, bcdt), chunk_size=spec.chunk_size,
+        D=None if spec.D is None else _round(D_head if spec.D == "head" else D_channel, pdt),
+        z=_round(z, xdt) if spec.z else None,
+        dt_bias=_round(dt_bias, pdt) if spec.dt_bias else None,
+        dt_softplus=spec.dt_softplus,
+        dt_limit=spec.dt_limit if spec.dt_limit is not None else (0.0, math.inf),
+        return_final_states=spec.return_final_states,
+        return_varlen_states=spec.return_varlen_states,
+    )
+    if spec.initial_states:
+        rows = nseq if spec.per_sequence_initial_states else b
+        kwargs["initial_states"] = _round(init[:rows], sdt)
+    if spec.cu_seqlens is not None:
+        cu = torch.tensor(spec.cu_seqlens, dtype=torch.int32)
+        kwargs["cu_seqlens"] = cu
+        if spec.pass_seq_idx:
+            lengths = (cu[1:] - cu[:-1]).to(torch.int64)
+            kwargs["seq_idx"] = torch.repeat_interleave(
+                torch.arange(nseq, dtype=torch.int32), lengths).view(1, L)
+    kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    return validate(**kwargs)
+
