@@ -1,0 +1,98 @@
+"""Where a report came from: device, driver, toolchain versions, git commit, date and command."""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _tileiras_version() -> str | None:
+    """The version of the tileiras binary cuTile will run (the wheel's metadata when it is not
+    installed as a distribution, as on the GPU machine where it travels in a tarball)."""
+    try:
+        from cuda.tile._compile import _find_compiler_bin  # noqa: PLC0415
+        tileiras = _find_compiler_bin().path
+    except Exception:  # cuTile absent or its layout changed: fall back to the distribution
+        tileiras = None
+    if tileiras:
+        try:
+            text = subprocess.run([str(tileiras), "--version"], capture_output=True, text=True,
+                                  timeout=30).stdout
+            for line in text.splitlines():
+                if "release" in line or "V1" in line:
+                    return line.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return _version("nvidia-cuda-tileiras")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def device_label() -> str:
+    """'h200'-style folder name of the GPU, or 'cpu' where there is none."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower().replace("nvidia", "").strip()
+    return name.split()[0] if name else "gpu"
+
+
+def collect(command: list[str] | None = None) -> dict:
+    """A JSON-able record of the environment a result was produced in."""
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(command if command is not None else sys.argv),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_tile": _version("cuda-tile") or _cutile_module_version(),
+        "tileiras": _tileiras_version(),
+        "host": platform.node(),
+        "device": "cpu",
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(device=torch.cuda.get_device_name(0), compute_capability=f"{props.major}.{props.minor}",
+                    sm_count=props.multi_processor_count, cuda_runtime=torch.version.cuda,
+                    driver=_nvidia_smi("driver_version"))
+    if os.environ.get("CI"):
+        info["ci"] = True
+    return info
+
+
+def _cutile_module_version() -> str | None:
+    try:
+        import cuda.tile  # noqa: PLC0415
+        return cuda.tile.__version__
+    except Exception:
+        return None
+
+
+def _nvidia_smi(field: str) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
