@@ -14,7 +14,9 @@ Semantics (per batch row b, head h, group g = h // (nheads // ngroups)):
     h_t  = exp(dt_t * A_h) * h_{t-1} + dt_t * x_t (outer) B_t
     y_t  = h_t . C_t + D * x_t,   then y_t *= silu(z_t) when z is given
 
-Packed sequences: the state is reset where seq_idx changes (also mid-chunk). A reset sequence starts
+Packed sequences: the state is reset where seq_idx changes (also mid-chunk). cu_seqlens alone
+implies the same resets (mamba_ssm resets only on seq_idx and reads cu_seqlens only for varlen
+states; given both, they must agree, so mamba_ssm's calls mean the same here). A reset sequence starts
 from zeros, except that initial_states of shape (batch, ...) start each batch row (mamba_ssm's
 meaning) and initial_states of shape (nseq, ...) start each sequence of cu_seqlens.
 
@@ -52,8 +54,13 @@ def _fail(arg: str, expected: str, given) -> SSDInputError:
     return SSDInputError(f"{arg}: expected {expected}, got {given}")
 
 
+def _dims(shape) -> str:
+    """A shape in Python's tuple notation: (4,) for one dimension, (2, 3) for two."""
+    return str(tuple(int(s) for s in shape))
+
+
 def _shape(t: torch.Tensor) -> str:
-    return "shape (" + ", ".join(str(s) for s in t.shape) + ")"
+    return "shape " + _dims(t.shape)
 
 
 @dataclass(frozen=True)
@@ -150,7 +157,7 @@ def _check_tensor(name, t, shape, dtypes, device, dtype_words):
     if not isinstance(t, torch.Tensor):
         raise _fail(name, "a torch.Tensor", type(t).__name__)
     if tuple(t.shape) != tuple(shape):
-        raise _fail(name, "shape (" + ", ".join(str(s) for s in shape) + ")", _shape(t))
+        raise _fail(name, "shape " + _dims(shape), _shape(t))
     if t.dtype not in dtypes:
         raise _fail(name, f"dtype {dtype_words}", t.dtype)
     if t.device != device:
@@ -252,7 +259,10 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
 
     if not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2:
         raise _fail("dt_limit", "a pair (lo, hi)", repr(dt_limit))
-    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    try:
+        lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    except (TypeError, ValueError):
+        raise _fail("dt_limit", "a pair of numbers (lo, hi)", repr(dt_limit)) from None
     if math.isnan(lo) or math.isnan(hi) or lo < 0 or hi < lo:
         raise _fail("dt_limit", "0 <= lo <= hi (non-NaN)", repr(tuple(dt_limit)))
 

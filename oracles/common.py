@@ -12,6 +12,18 @@ from kernels.contract import SSDProblem
 LOG2_E = 1.4426950408889634
 
 
+class OracleBudgetError(RuntimeError):
+    """An oracle refuses a problem past its cost budget; the message says how to shrink it."""
+
+
+def check_positions(problem: SSDProblem, positions: Optional[Sequence[int]]) -> list[int]:
+    """``positions`` as ints, each a step count in [0, seqlen]; [] for None."""
+    positions = [] if positions is None else [int(p) for p in positions]
+    if any(not 0 <= p <= problem.seqlen for p in positions):
+        raise ValueError(f"positions: expected step counts in [0, {problem.seqlen}], got {positions}")
+    return positions
+
+
 @dataclass
 class SSDResult:
     """What every tier returns. ``states`` holds h after ``positions[k]`` steps (pre-reset).

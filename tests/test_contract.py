@@ -1,0 +1,259 @@
+"""Every validation error of kernels/contract.py, the valid calls it accepts, and pack_outputs.
+
+Each refusal must be an SSDInputError whose message is "<argument>: expected <what>, got <given>";
+the tests check the argument, the expectation and the given value (the 'meta' device stands in for
+a second device).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.contract import SSDInputError, pack_outputs, validate
+from properties.problems import ProblemSpec, build_problem
+
+# batch 2, seqlen 10, nheads 4, headdim 3, dstate 5, ngroups 2: every optional tensor present.
+DENSE = build_problem(ProblemSpec(batch=2, seqlen=10, nheads=4, headdim=3, dstate=5, ngroups=2,
+                                  chunk_size=4, D="head", z=True, dt_bias=True, dt_softplus=True,
+                                  initial_states=True)).call_kwargs()
+# batch 1 packed: cu_seqlens (0, 3, 7, 10) with seq_idx and per-sequence initial states.
+PACKED = build_problem(ProblemSpec(batch=1, seqlen=10, nheads=4, headdim=3, dstate=5, ngroups=2,
+                                   chunk_size=4, cu_seqlens=(0, 3, 7, 10), initial_states=True,
+                                   per_sequence_initial_states=True,
+                                   return_varlen_states=True)).call_kwargs()
+
+
+def meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def f64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64)
+
+
+def refusal(base: dict, **changes) -> str:
+    with pytest.raises(SSDInputError) as info:
+        validate(**{**base, **changes})
+    return str(info.value)
+
+
+def check(message: str, arg: str, expected: str, given: str):
+    assert message.startswith(f"{arg}: expected "), message
+    assert expected in message, message
+    assert message.endswith(f"got {given}"), message
+
+
+ACT = "dtype float32, float16 or bfloat16"
+D, P = DENSE, PACKED
+
+# (case, base, changes, argument named, expected words, given words)
+CASES = [
+    ("x_not_tensor", D, dict(x=[[1.0]]), "x", "a torch.Tensor", "list"),
+    ("x_3d", D, dict(x=D["x"][..., 0]), "x", "4 dimensions (batch, seqlen, nheads, headdim)",
+     "shape (2, 10, 4)"),
+    ("x_float64", D, dict(x=f64(D["x"])), "x", ACT, "torch.float64"),
+    ("x_int", D, dict(x=D["x"].to(torch.int32)), "x", ACT, "torch.int32"),
+    ("x_seqlen_0", D, dict(x=D["x"][:, :0]), "x", "seqlen (dimension 1) >= 1", "seqlen 0"),
+    ("x_headdim_0", D, dict(x=D["x"][..., :0]), "x", "batch, nheads and headdim >= 1",
+     "shape (2, 10, 4, 0)"),
+    ("x_batch_0", D, dict(x=D["x"][:0]), "x", "batch, nheads and headdim >= 1",
+     "shape (0, 10, 4, 3)"),
+
+    ("B_not_tensor", D, dict(B=None), "B", "a torch.Tensor", "NoneType"),
+    ("B_3d", D, dict(B=D["B"][..., 0]), "B", "shape (2, 10, ngroups, dstate)", "shape (2, 10, 2)"),
+    ("B_seqlen", D, dict(B=D["B"][:, :9]), "B", "shape (2, 10, ngroups, dstate)",
+     "shape (2, 9, 2, 5)"),
+    ("B_batch", D, dict(B=D["B"][:1]), "B", "shape (2, 10, ngroups, dstate)", "shape (1, 10, 2, 5)"),
+    ("B_dstate_0", D, dict(B=D["B"][..., :0]), "B", "ngroups and dstate >= 1",
+     "shape (2, 10, 2, 0)"),
+    ("ngroups_not_dividing_nheads", D, dict(B=torch.zeros(2, 10, 3, 5), C=torch.zeros(2, 10, 3, 5)),
+     "B", "ngroups (dimension 2) dividing nheads=4", "ngroups=3"),
+    ("B_dtype", D, dict(B=f64(D["B"])), "B", ACT, "torch.float64"),
+    ("B_device", D, dict(B=meta(D["B"])), "B", "a tensor on cpu (the device of x)",
+     "a tensor on meta"),
+
+    ("C_not_tensor", D, dict(C=1.0), "C", "a torch.Tensor", "float"),
+    ("C_dstate", D, dict(C=torch.zeros(2, 10, 2, 6)), "C", "shape (2, 10, 2, 5)",
+     "shape (2, 10, 2, 6)"),
+    ("C_ngroups", D, dict(C=torch.zeros(2, 10, 1, 5)), "C", "shape (2, 10, 2, 5)",
+     "shape (2, 10, 1, 5)"),
+    ("C_dtype", D, dict(C=D["C"].to(torch.int64)), "C", ACT, "torch.int64"),
+    ("C_device", D, dict(C=meta(D["C"])), "C", "a tensor on cpu", "a tensor on meta"),
+
+    ("dt_shape", D, dict(dt=D["dt"][..., :3]), "dt", "shape (2, 10, 4)", "shape (2, 10, 3)"),
+    ("dt_4d", D, dict(dt=D["dt"][..., None]), "dt", "shape (2, 10, 4)", "shape (2, 10, 4, 1)"),
+    ("dt_dtype", D, dict(dt=f64(D["dt"])), "dt", ACT, "torch.float64"),
+    ("dt_device", D, dict(dt=meta(D["dt"])), "dt", "a tensor on cpu", "a tensor on meta"),
+    ("dt_not_tensor", D, dict(dt=0.1), "dt", "a torch.Tensor", "float"),
+
+    ("A_shape", D, dict(A=D["A"][:, None]), "A", "shape (4,)", "shape (4, 1)"),
+    ("A_nheads", D, dict(A=D["A"][:3]), "A", "shape (4,)", "shape (3,)"),
+    ("A_dtype", D, dict(A=f64(D["A"])), "A", ACT, "torch.float64"),
+    ("A_device", D, dict(A=meta(D["A"])), "A", "a tensor on cpu", "a tensor on meta"),
+
+    ("D_not_tensor", D, dict(D=[1.0] * 4), "D", "shape (4,) or (4, 3)", "list"),
+    ("D_3d", D, dict(D=torch.zeros(4, 3, 1)), "D", "shape (4,) or (4, 3)", "shape (4, 3, 1)"),
+    ("D_head_shape", D, dict(D=torch.zeros(5)), "D", "shape (4,)", "shape (5,)"),
+    ("D_channel_shape", D, dict(D=torch.zeros(4, 2)), "D", "shape (4, 3)", "shape (4, 2)"),
+    ("D_dtype", D, dict(D=torch.zeros(4, dtype=torch.float64)), "D", ACT, "torch.float64"),
+    ("D_device", D, dict(D=torch.zeros(4, device="meta")), "D", "a tensor on cpu",
+     "a tensor on meta"),
+
+    ("z_shape", D, dict(z=D["z"][..., :2]), "z", "shape (2, 10, 4, 3)", "shape (2, 10, 4, 2)"),
+    ("z_dtype", D, dict(z=f64(D["z"])), "z", ACT, "torch.float64"),
+    ("z_device", D, dict(z=meta(D["z"])), "z", "a tensor on cpu", "a tensor on meta"),
+
+    ("dt_bias_shape", D, dict(dt_bias=torch.zeros(2, 4)), "dt_bias", "shape (4,)", "shape (2, 4)"),
+    ("dt_bias_dtype", D, dict(dt_bias=f64(D["dt_bias"])), "dt_bias", ACT, "torch.float64"),
+    ("dt_bias_device", D, dict(dt_bias=meta(D["dt_bias"])), "dt_bias", "a tensor on cpu",
+     "a tensor on meta"),
+
+    ("chunk_size_0", D, dict(chunk_size=0), "chunk_size", "a positive int", "0"),
+    ("chunk_size_negative", D, dict(chunk_size=-64), "chunk_size", "a positive int", "-64"),
+    ("chunk_size_float", D, dict(chunk_size=64.0), "chunk_size", "a positive int", "64.0"),
+    ("chunk_size_bool", D, dict(chunk_size=True), "chunk_size", "a positive int", "True"),
+    ("chunk_size_str", D, dict(chunk_size="64"), "chunk_size", "a positive int", "'64'"),
+    ("chunk_size_unsupported", D, dict(chunk_size=32, supported_chunk_sizes=(64, 128),
+                                       implementation="the cuTile kernel"),
+     "chunk_size", "one of (64, 128) (the cuTile kernel)", "32"),
+
+    ("cu_seqlens_not_tensor", P, dict(cu_seqlens=[0, 3, 7, 10]), "cu_seqlens",
+     "a 1-D tensor (nseq + 1,) with nseq >= 1", "list"),
+    ("cu_seqlens_2d", P, dict(cu_seqlens=P["cu_seqlens"][None]), "cu_seqlens",
+     "a 1-D tensor (nseq + 1,)", "shape (1, 4)"),
+    ("cu_seqlens_one_offset", P, dict(cu_seqlens=P["cu_seqlens"][:1]), "cu_seqlens",
+     "with nseq >= 1", "shape (1,)"),
+    ("cu_seqlens_dtype", P, dict(cu_seqlens=P["cu_seqlens"].float()), "cu_seqlens",
+     "dtype int32 or int64", "torch.float32"),
+    ("cu_seqlens_device", P, dict(cu_seqlens=meta(P["cu_seqlens"])), "cu_seqlens",
+     "a tensor on cpu", "a tensor on meta"),
+    ("cu_seqlens_batch_2", D, dict(cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32),
+                                   initial_states=None),
+     "cu_seqlens", "batch 1 (sequences packed along seqlen)", "batch 2"),
+    ("cu_seqlens_not_from_0", P, dict(cu_seqlens=torch.tensor([1, 3, 7, 10]), seq_idx=None),
+     "cu_seqlens", "cu_seqlens[0] == 0", "cu_seqlens[0] == 1"),
+    ("cu_seqlens_empty_sequence", P, dict(cu_seqlens=torch.tensor([0, 3, 3, 10]), seq_idx=None),
+     "cu_seqlens", "strictly increasing offsets (no empty sequence)", "[0, 3, 3, 10]"),
+    ("cu_seqlens_decreasing", P, dict(cu_seqlens=torch.tensor([0, 7, 3, 10]), seq_idx=None),
+     "cu_seqlens", "strictly increasing offsets", "[0, 7, 3, 10]"),
+    ("cu_seqlens_short", P, dict(cu_seqlens=torch.tensor([0, 3, 7, 9]), seq_idx=None),
+     "cu_seqlens", "cu_seqlens[-1] == seqlen == 10", "cu_seqlens[-1] == 9"),
+    ("cu_seqlens_long", P, dict(cu_seqlens=torch.tensor([0, 3, 7, 11]), seq_idx=None),
+     "cu_seqlens", "cu_seqlens[-1] == seqlen == 10", "cu_seqlens[-1] == 11"),
+
+    ("seq_idx_shape", P, dict(seq_idx=P["seq_idx"][:, :9]), "seq_idx", "shape (1, 10)",
+     "shape (1, 9)"),
+    ("seq_idx_dtype", P, dict(seq_idx=P["seq_idx"].float()), "seq_idx", "dtype int32 or int64",
+     "torch.float32"),
+    ("seq_idx_device", P, dict(seq_idx=meta(P["seq_idx"])), "seq_idx", "a tensor on cpu",
+     "a tensor on meta"),
+    ("seq_idx_decreasing", D, dict(seq_idx=torch.tensor([[0] * 5 + [1] * 5, [0, 0, 2, 2, 1] + [3] * 5])),
+     "seq_idx", "non-decreasing values along seqlen", "a decreasing step"),
+    ("seq_idx_negative", D, dict(seq_idx=torch.tensor([[-1] * 5 + [0] * 5, [0] * 10])),
+     "seq_idx", "non-negative values", "a negative value"),
+    ("seq_idx_not_cu_seqlens", P, dict(seq_idx=torch.tensor([[0] * 4 + [1] * 3 + [2] * 3])),
+     "seq_idx", "the sequence index implied by cu_seqlens", "a different index"),
+
+    ("varlen_states_without_cu_seqlens", D, dict(return_varlen_states=True), "cu_seqlens",
+     "a tensor when return_varlen_states=True", "None"),
+
+    ("initial_states_not_tensor", D, dict(initial_states=0.0), "initial_states",
+     "shape (2, 4, 3, 5)", "float"),
+    ("initial_states_3d", D, dict(initial_states=D["initial_states"][0]), "initial_states",
+     "shape (2, 4, 3, 5)", "shape (4, 3, 5)"),
+    ("initial_states_lead", D, dict(initial_states=torch.zeros(3, 4, 3, 5)), "initial_states",
+     "shape (2, 4, 3, 5)", "shape (3, 4, 3, 5)"),
+    ("initial_states_lead_packed", P, dict(initial_states=torch.zeros(2, 4, 3, 5)),
+     "initial_states", "shape (1, 4, 3, 5) or, per sequence, (3, 4, 3, 5)", "shape (2, 4, 3, 5)"),
+    ("initial_states_dstate", D, dict(initial_states=torch.zeros(2, 4, 3, 6)), "initial_states",
+     "shape (2, 4, 3, 5)", "shape (2, 4, 3, 6)"),
+    ("initial_states_dtype", D, dict(initial_states=f64(D["initial_states"])), "initial_states",
+     "dtype float32, bfloat16 or float16", "torch.float64"),
+    ("initial_states_device", D, dict(initial_states=meta(D["initial_states"])), "initial_states",
+     "a tensor on cpu", "a tensor on meta"),
+
+    ("dt_limit_scalar", D, dict(dt_limit=0.1), "dt_limit", "a pair (lo, hi)", "0.1"),
+    ("dt_limit_triple", D, dict(dt_limit=(0.0, 0.1, 1.0)), "dt_limit", "a pair (lo, hi)",
+     "(0.0, 0.1, 1.0)"),
+    ("dt_limit_not_numbers", D, dict(dt_limit=("low", "high")), "dt_limit",
+     "a pair of numbers (lo, hi)", "('low', 'high')"),
+    ("dt_limit_nan", D, dict(dt_limit=(math.nan, 1.0)), "dt_limit", "0 <= lo <= hi (non-NaN)",
+     "(nan, 1.0)"),
+    ("dt_limit_negative", D, dict(dt_limit=(-0.1, 1.0)), "dt_limit", "0 <= lo <= hi", "(-0.1, 1.0)"),
+    ("dt_limit_reversed", D, dict(dt_limit=(0.2, 0.1)), "dt_limit", "0 <= lo <= hi", "(0.2, 0.1)"),
+]
+
+
+@pytest.mark.parametrize("case,base,changes,arg,expected,given", CASES, ids=[c[0] for c in CASES])
+def test_refusal_names_argument_expectation_and_given(case, base, changes, arg, expected, given):
+    check(refusal(base, **changes), arg, expected, given)
+
+
+FINITE_CHECKED = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", FINITE_CHECKED)
+def test_check_finite_names_the_first_non_finite_argument(name, bad):
+    tensor = D[name].clone()
+    tensor.view(-1)[-1] = bad
+    check(refusal(D, check_finite=True, **{name: tensor}), name,
+          "finite values (check_finite=True)", "NaN or Inf")
+    # Without check_finite the same call is accepted: non-finite values are not scanned.
+    validate(**{**D, name: tensor})
+
+
+def test_check_finite_reports_arguments_in_order():
+    bad_x, bad_C = D["x"].clone(), D["C"].clone()
+    bad_x[0, 0, 0, 0] = math.nan
+    bad_C[0, 0, 0, 0] = math.inf
+    check(refusal(D, check_finite=True, x=bad_x, C=bad_C), "x", "finite values", "NaN or Inf")
+
+
+def test_valid_calls_pass_and_derive_sizes():
+    p = validate(**D, check_finite=True, supported_chunk_sizes=(4, 8))
+    assert (p.batch, p.seqlen, p.nheads, p.headdim, p.ngroups, p.dstate) == (2, 10, 4, 3, 2, 5)
+    assert p.nchunks == 3 and p.nseq is None and p.resolved_seq_idx() is None
+    assert not p.per_sequence_initial_states and not p.has_dt_limit
+
+    q = validate(**P, check_finite=True)
+    assert q.nseq == 3 and q.per_sequence_initial_states and q.return_varlen_states
+    assert q.resolved_seq_idx().tolist() == [[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]]
+    # cu_seqlens alone implies the same sequence index.
+    assert torch.equal(validate(**{**P, "seq_idx": None}).resolved_seq_idx(), q.resolved_seq_idx())
+    # A batch-form initial state is also accepted with cu_seqlens (it starts the row).
+    assert not validate(**{**P, "initial_states": P["initial_states"][:1]}).per_sequence_initial_states
+
+
+@pytest.mark.parametrize("changes", [
+    dict(D=torch.zeros(4, 3)),                                       # D per channel
+    dict(D=None, z=None, dt_bias=None, initial_states=None),         # every optional absent
+    dict(x=D["x"].half(), z=D["z"].bfloat16(), B=D["B"].bfloat16(), C=D["C"].half(),
+         dt=D["dt"].bfloat16(), A=D["A"].half(), initial_states=D["initial_states"].half()),
+    dict(x=D["x"][:, :1], dt=D["dt"][:, :1], B=D["B"][:, :1], C=D["C"][:, :1], z=D["z"][:, :1]),
+    dict(seq_idx=torch.tensor([[0] * 5 + [1] * 5, [2] * 10], dtype=torch.int64)),
+    dict(chunk_size=256),                                            # longer than seqlen
+], ids=["D_channel", "minimal", "half_precisions", "seqlen_1", "seq_idx_int64", "big_chunk"])
+def test_other_valid_calls_pass(changes):
+    validate(**{**D, **changes})
+
+
+def test_dt_limit_is_normalised_to_floats():
+    p = validate(**{**D, "dt_limit": [0, 1]})
+    assert p.dt_limit == (0.0, 1.0) and isinstance(p.dt_limit, tuple) and p.has_dt_limit
+    assert validate(**{**D, "dt_limit": (0.0, math.inf)}).has_dt_limit is False
+    assert validate(**{**D, "dt_limit": (0.1, 0.1)}).dt_limit == (0.1, 0.1)
+
+
+@pytest.mark.parametrize("final,varlen,expected", [
+    (False, False, "out"),
+    (True, False, ("out", "final")),
+    (False, True, ("out", "varlen")),
+    (True, True, ("out", "final", "varlen")),
+])
+def test_pack_outputs_follows_mamba_ssm(final, varlen, expected):
+    """mamba_chunk_scan_combined returns out alone, else a tuple (out[, final_states][, varlen])."""
+    p = validate(**{**P, "return_final_states": final, "return_varlen_states": varlen})
+    assert pack_outputs(p, "out", final_states="final", varlen_states="varlen") == expected
