@@ -25,8 +25,9 @@ last position of each row; varlen_states (nseq, nheads, headdim, dstate) fp32, t
 last position of each sequence of cu_seqlens.
 
 NaN/Inf policy: inputs are not scanned by default (a scan reads every input once more, which on a
-GPU costs a full extra pass); non-finite inputs then propagate to the outputs they touch, never
-silently to others. ``check_finite=True`` scans them and raises ``SSDInputError`` naming the first
+GPU costs a full extra pass); a non-finite input then makes non-finite every output it reaches
+(the masked in-chunk matmuls may also spread it to earlier positions of its chunk, as 0 * NaN is
+NaN), never finite wrong numbers. ``check_finite=True`` scans them and raises ``SSDInputError`` naming the first
 non-finite argument.
 """
 from __future__ import annotations
