@@ -1,0 +1,115 @@
+"""Stage 1: processed dt and its per-chunk inclusive log2 decay cumsum.
+
+    dt (b, L, H) fp32/bf16/fp16, A (H,) fp32, dt_bias (H,) fp32
+    -> dt_out (b, H, nchunks, Q) fp32:  clamp(softplus(dt + dt_bias), dt_min, dt_max), 0 past seqlen
+       log2_decay_cumsum (b, H, nchunks, Q) fp32:  inclusive cumsum over each chunk of
+       dt_out * A * log2(e), flat past seqlen (decays are exp2 of differences, never > 1)
+
+One block per (chunk, batch row, block of HEAD_BLOCK heads); the chunk is one tile, so the cumsum
+is one in-register scan.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cuda.tile as ct
+import torch
+
+from kernels.tile_ops import (LOG2_E, array_constraint, index_variants, kernel_signature,
+                              next_pow2, scalar_constraint, softplus)
+
+ZERO = ct.PaddingMode.ZERO
+MAX_HEAD_BLOCK = 32
+
+
+def chunk_cumsum_kernel(dt, A, dt_bias, dt_out, log2_decay_cumsum, seqlen, nhead_blocks,
+                        dt_min: float, dt_max: float,
+                        CHUNK: ct.Constant[int], HEAD_BLOCK: ct.Constant[int],
+                        HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
+                        HAS_LIMIT: ct.Constant[bool]):
+    chunk = ct.bid(0)
+    batch = ct.bid(1) // nhead_blocks
+    head_block = ct.bid(1) % nhead_blocks
+    step = ct.load(dt, (batch, chunk, head_block), shape=(1, CHUNK, HEAD_BLOCK),
+                   padding_mode=ZERO).reshape((CHUNK, HEAD_BLOCK)).astype(ct.float32).transpose()
+    if HAS_BIAS:
+        bias = ct.load(dt_bias, (head_block,), shape=(HEAD_BLOCK,), padding_mode=ZERO)
+        step = step + bias[:, None]
+    if SOFTPLUS:
+        step = softplus(step)
+    if HAS_LIMIT:
+        # propagate_nan: a NaN dt must stay NaN, not become the bound.
+        step = ct.minimum(ct.maximum(step, dt_min, propagate_nan=True), dt_max, propagate_nan=True)
+    position = chunk * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
+    step = ct.where(position[None, :] < seqlen, step, 0.0)
+    a = ct.load(A, (head_block,), shape=(HEAD_BLOCK,), padding_mode=ZERO)
+    cumsum = ct.cumsum(step * (a * LOG2_E)[:, None], axis=1)
+    ct.store(dt_out, (batch, head_block, chunk, 0), step.reshape((1, HEAD_BLOCK, 1, CHUNK)))
+    ct.store(log2_decay_cumsum, (batch, head_block, chunk, 0),
+             cumsum.reshape((1, HEAD_BLOCK, 1, CHUNK)))
+
+
+# dt and the two stage outputs are (b, L, H)-sized: beyond 2^31 positions x heads they need int64.
+KERNELS = index_variants(chunk_cumsum_kernel, ("dt", "dt_out", "log2_decay_cumsum"))
+
+
+@dataclass(frozen=True)
+class ChunkCumsumConfig:
+    """Everything that selects a compiled variant of the kernel."""
+
+    dt_dtype: torch.dtype = torch.float32
+    chunk_size: int = 128
+    head_block: int = 16
+    has_bias: bool = False
+    softplus: bool = False
+    has_limit: bool = False
+    wide: bool = False
+
+    @property
+    def kernel(self):
+        return KERNELS[self.wide]
+
+    def constants(self) -> tuple:
+        return (self.chunk_size, self.head_block, self.has_bias, self.softplus, self.has_limit)
+
+    def signature(self):
+        f32 = torch.float32
+        return kernel_signature([
+            array_constraint(self.dt_dtype, 3, self.wide), array_constraint(f32, 1),
+            array_constraint(f32, 1), array_constraint(f32, 4, self.wide),
+            array_constraint(f32, 4, self.wide), scalar_constraint(torch.int32),
+            scalar_constraint(torch.int32), scalar_constraint(f32), scalar_constraint(f32),
+            *self.constants()])
+
+    def describe(self) -> str:
+        return (f"chunk_cumsum dt={self.dt_dtype} Q={self.chunk_size} HB={self.head_block} "
+                f"bias={self.has_bias} softplus={self.softplus} limit={self.has_limit} "
+                f"int64={self.wide}")
+
+
+def head_block_for(nheads: int) -> int:
+    return min(next_pow2(nheads), MAX_HEAD_BLOCK)
+
+
+def chunk_cumsum(dt: torch.Tensor, A: torch.Tensor, config: ChunkCumsumConfig, dt_bias=None,
+                 dt_limit=(0.0, math.inf)):
+    """(dt_out, log2_decay_cumsum), both (b, H, nchunks, Q) fp32; see the module docstring.
+
+    dt (b, L, H) CUDA fp32/bf16/fp16 (any strides); A, dt_bias (H,) CUDA, any float dtype.
+    config: the variant (``kernels.ssd.make_plan(...).cumsum``): chunk size, which of bias,
+    softplus and limit apply, 64-bit indexing; dt_bias and dt_limit give their values.
+    """
+    b, L, H = dt.shape
+    Q = config.chunk_size
+    nchunks = -(-L // Q)
+    f32 = torch.float32
+    dt_out = torch.empty(b, H, nchunks, Q, device=dt.device, dtype=f32)
+    cumsum = torch.empty_like(dt_out)
+    A32 = A.to(f32)
+    bias = A32 if dt_bias is None else dt_bias.to(f32)   # A stands in for an absent bias: never read
+    nhb = -(-H // config.head_block)
+    ct.launch(torch.cuda.current_stream(), (nchunks, b * nhb), config.kernel,
+              (dt, A32, bias, dt_out, cumsum, L, nhb, float(dt_limit[0]), float(dt_limit[1]),
+               *config.constants()))
+    return dt_out, cumsum

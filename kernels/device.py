@@ -1,0 +1,43 @@
+"""Can this machine run the kernels? Clear errors for CPU tensors, no CUDA, or no tileiras."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.contract import SSDInputError
+
+
+class CuTileUnavailable(RuntimeError):
+    """The kernels cannot run here; the message says what is missing and what to do."""
+
+
+@functools.cache
+def tileiras_path() -> str:
+    """The tileiras compiler cuTile will run, or CuTileUnavailable."""
+    try:
+        from cuda.tile._compile import _find_compiler_bin  # noqa: PLC0415
+        return str(_find_compiler_bin().path)
+    except ImportError as exc:
+        raise CuTileUnavailable(
+            f"cuTile does not import ({exc}); install it with `pip install cuda-tile[tileiras]`"
+        ) from exc
+    except FileNotFoundError as exc:
+        raise CuTileUnavailable(
+            "the tileiras compiler was not found, and cuTile compiles every kernel with it: "
+            "install it with `pip install nvidia-cuda-tileiras==13.4.*` (or a CUDA Toolkit 13.4+ "
+            f"with tileiras on PATH). cuTile said: {exc}") from exc
+
+
+def require_gpu(x: torch.Tensor) -> None:
+    """x (and so every input: the contract checks they share its device) must be on a GPU that
+    torch can drive, and cuTile must be able to compile."""
+    if not torch.cuda.is_available():
+        raise CuTileUnavailable(
+            "no CUDA device is visible to torch: the cuTile SSD kernels run on NVIDIA GPUs "
+            "(compute capability 8.0+). On a CPU-only machine use "
+            "oracles.chunked_reference.ssd_reference, the same algorithm in torch.")
+    if x.device.type != "cuda":
+        raise SSDInputError(f"x: expected a CUDA tensor (the cuTile kernels run on the GPU), got a "
+                            f"tensor on {x.device}; move every input with .cuda()")
+    tileiras_path()

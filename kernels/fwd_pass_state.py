@@ -1,0 +1,291 @@
+"""Stage 2: the state entering every chunk, in two kernels.
+
+    x (b, L, H, P), B (b, L, G, N), dt and log2_decay_cumsum (b, H, nchunks, Q) fp32
+    -> chunk_states (b, nchunks, H, P, N) state_dtype: h after c*Q steps (c = 0: the row's start)
+       final_states (b, H, P, N) fp32; varlen_states (nseq, H, P, N) fp32 with cu_seqlens
+
+``chunk_state_kernel`` (parallel over chunks, heads and P x N tiles) computes, for every *target*
+(the last position e of a chunk, and with cu_seqlens the last position of every sequence), how the
+state moves from entering the target's chunk c to after e:
+
+    state_after(e) = carry_weight * state_entering(c) + increment
+    increment      = sum_{t in c, t <= e, seq(t) = seq(e)} (x_t dt_t 2^(S_e - S_t)) (outer) B_t
+                     [+ H0(seq(e)) 2^(S_e - S_(r-1)) when seq(e) starts at r inside the chunk
+                        and starts from its own per-sequence initial state H0]
+    carry_weight   = 2^(S_e) when seq(e) is the sequence entering the chunk, else 0
+
+The increment is the (headdim x dstate) matmul x^T (w B) on tensor cores (precision per
+``kernels.tile_ops``; r's own step in the exponent per ``log2_decay_since``).
+``state_passing_kernel`` then walks the chunks once per (row, head, P x N tile):
+h <- carry_weight * h + increment, a few FLOPs per element, so the sequential part is a stream
+through memory, not a chain of matmuls, with batch x heads x tiles blocks in flight (the tiles
+shrink until there are a few per SM). Measured on the H200 (chunk 128, bf16): 0.27 ms of 4.3 ms at
+(8, 4096, 64 heads), 1.6 ms of 9.2 ms at (1, 65536, 64 heads), where the 512-step walk is
+latency-bound: fusing it into the increment kernel (chained blocks) is the next step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.tile as ct
+import torch
+
+from kernels.tile_ops import (MODE, array_constraint, exp2_nonpos, index_variants,
+                              kernel_signature, log2_decay_since, precise_mma, scalar_constraint)
+
+ZERO = ct.PaddingMode.ZERO
+
+
+def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seqlens,
+                       target_ends, increment, carry_weight,
+                       seqlen, nchunks, ntargets, nheads, heads_per_group, n_p_blocks, n_n_blocks,
+                       CHUNK: ct.Constant[int], ROW_BLOCK: ct.Constant[int],
+                       P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int],
+                       MODE: ct.Constant[int],
+                       HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
+                       VARLEN: ct.Constant[bool]):
+    # Heads vary fastest: blocks running together read the same chunk of B (one group).
+    pid = ct.bid(0)
+    head = pid % nheads
+    rest = pid // nheads
+    p_block = rest % n_p_blocks
+    rest = rest // n_p_blocks
+    n_block = rest % n_n_blocks
+    rest = rest // n_n_blocks
+    target = rest % ntargets
+    batch = rest // ntargets
+    group = head // heads_per_group
+
+    end = ct.minimum(target * CHUNK + CHUNK, seqlen) - 1
+    if VARLEN:
+        sequence_end = ct.load(target_ends, (ct.maximum(target - nchunks, 0),), shape=())
+        end = ct.where(target >= nchunks, sequence_end, end)
+    chunk = end // CHUNK
+    first = chunk * CHUNK
+    end_local = end - first
+    S_end = ct.load(log2_decay_cumsum, (batch, head, chunk, end_local), shape=(1, 1, 1, 1)).reshape(())
+    carried = True
+    if HAS_SEQ:
+        seq_end = ct.load(seq_idx, (batch, end), shape=(1, 1)).reshape(())
+        # Chunk 0's entering state belongs to the row's first sequence.
+        seq_before = ct.load(seq_idx, (batch, ct.maximum(first - 1, 0)), shape=(1, 1)).reshape(())
+        carried = seq_end == seq_before
+    weight = ct.where(carried, exp2_nonpos(S_end), 0.0)
+    if p_block == 0 and n_block == 0:
+        ct.store(carry_weight, (batch, head, target), weight.reshape((1, 1, 1)))
+
+    acc = ct.zeros((P_BLOCK, N_BLOCK), dtype=ct.float32)
+    rows_per_chunk = CHUNK // ROW_BLOCK
+    for row_block in range(end_local // ROW_BLOCK + 1):
+        local = row_block * ROW_BLOCK + ct.arange(ROW_BLOCK, dtype=ct.int32)
+        rows = chunk * rows_per_chunk + row_block
+        x_rows = ct.load(x, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
+                         padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
+        B_rows = ct.load(B, (batch, rows, group, n_block), shape=(1, ROW_BLOCK, 1, N_BLOCK),
+                         padding_mode=ZERO).reshape((ROW_BLOCK, N_BLOCK))
+        dt_rows = ct.load(dt, (batch, head, chunk, row_block),
+                          shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
+        S_rows = ct.load(log2_decay_cumsum, (batch, head, chunk, row_block),
+                         shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
+        keep = local <= end_local
+        if HAS_SEQ:
+            seq_rows = ct.load(seq_idx, (batch, rows), shape=(1, ROW_BLOCK),
+                               padding_mode=ZERO).reshape((ROW_BLOCK,))
+            keep = keep & (seq_rows == seq_end)
+        w = ct.where(keep, dt_rows * exp2_nonpos(S_end - S_rows), 0.0)
+        acc = precise_mma(x_rows.transpose(), B_rows.astype(ct.float32) * w[:, None], acc, MODE,
+                          x.dtype)
+
+    if PER_SEQ_START:
+        # seq(e) began at r = cu_seqlens[seq(e)] inside this chunk (when not carried) from its own
+        # H0, decayed from just before r.
+        start = ct.load(cu_seqlens, (seq_end,), shape=())
+        exponent = log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk,
+                                    ct.maximum(start - first, 0), S_end)
+        h0 = ct.load(start_states, (seq_end, head, p_block, n_block),
+                     shape=(1, 1, P_BLOCK, N_BLOCK), padding_mode=ZERO).reshape((P_BLOCK, N_BLOCK))
+        acc = acc + h0.astype(ct.float32) * ct.where(carried, 0.0, exp2_nonpos(exponent))
+
+    ct.store(increment, (batch, target, head, p_block, n_block),
+             acc.reshape((1, 1, 1, P_BLOCK, N_BLOCK)))
+
+
+def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, chunk_states,
+                         final_states, varlen_states, nchunks, nheads, n_p_blocks, n_n_blocks,
+                         P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int],
+                         HAS_START: ct.Constant[bool], VARLEN: ct.Constant[bool]):
+    pid = ct.bid(0)
+    head = pid % nheads
+    rest = pid // nheads
+    p_block = rest % n_p_blocks
+    rest = rest // n_p_blocks
+    n_block = rest % n_n_blocks
+    batch = rest // n_n_blocks
+    tile = (1, 1, 1, P_BLOCK, N_BLOCK)
+    h = ct.zeros((P_BLOCK, N_BLOCK), dtype=ct.float32)
+    if HAS_START:
+        h = ct.load(start_states, (batch, head, p_block, n_block), shape=(1, 1, P_BLOCK, N_BLOCK),
+                    padding_mode=ZERO).reshape((P_BLOCK, N_BLOCK)).astype(ct.float32)
+    for chunk in range(nchunks):
+        ct.store(chunk_states, (batch, chunk, head, p_block, n_block),
+                 h.reshape(tile).astype(chunk_states.dtype))
+        if VARLEN:
+            # Sequences ending in this chunk (targets nchunks + k, sorted by end): from the fp32 h.
+            first = ct.load(varlen_offsets, (chunk,), shape=())
+            stop = ct.load(varlen_offsets, (chunk + 1,), shape=())
+            for k in range(first, stop):
+                w = ct.load(carry_weight, (batch, head, nchunks + k), shape=(1, 1, 1)).reshape((1, 1))
+                inc = ct.load(increment, (batch, nchunks + k, head, p_block, n_block),
+                              shape=tile).reshape((P_BLOCK, N_BLOCK))
+                ct.store(varlen_states, (k, head, p_block, n_block),
+                         (w * h + inc).reshape((1, 1, P_BLOCK, N_BLOCK)))
+        w = ct.load(carry_weight, (batch, head, chunk), shape=(1, 1, 1)).reshape((1, 1))
+        inc = ct.load(increment, (batch, chunk, head, p_block, n_block), shape=tile,
+                      latency=8).reshape((P_BLOCK, N_BLOCK))
+        h = w * h + inc
+    ct.store(final_states, (batch, head, p_block, n_block), h.reshape((1, 1, P_BLOCK, N_BLOCK)))
+
+
+# x, B, the increments and the stored states can pass 2^31 elements (e.g. batch 1, 139264
+# positions, 256 heads of 64): those arrays get 64-bit indexing in the wide variants.
+CHUNK_STATE_KERNELS = index_variants(chunk_state_kernel, ("x", "B", "increment", "start_states"))
+STATE_PASSING_KERNELS = index_variants(
+    state_passing_kernel, ("increment", "start_states", "chunk_states", "final_states",
+                           "varlen_states"))
+
+
+@dataclass(frozen=True)
+class ChunkStateConfig:
+    x_dtype: torch.dtype = torch.float32
+    b_dtype: torch.dtype = torch.float32
+    seq_dtype: torch.dtype = torch.int32
+    start_dtype: torch.dtype = torch.float32
+    cu_dtype: torch.dtype = torch.int32
+    chunk_size: int = 128
+    row_block: int = 64
+    p_block: int = 64
+    n_block: int = 64
+    precision: str = "3xtf32"
+    has_seq: bool = False
+    per_seq_start: bool = False
+    varlen: bool = False
+    wide: bool = False
+
+    @property
+    def kernel(self):
+        return CHUNK_STATE_KERNELS[self.wide]
+
+    def constants(self) -> tuple:
+        return (self.chunk_size, self.row_block, self.p_block, self.n_block,
+                MODE[self.precision], self.has_seq, self.per_seq_start, self.varlen)
+
+    def signature(self):
+        f32, i32, w = torch.float32, torch.int32, self.wide
+        return kernel_signature([
+            array_constraint(self.x_dtype, 4, w), array_constraint(self.b_dtype, 4, w),
+            array_constraint(f32, 4), array_constraint(f32, 4), array_constraint(f32, 1),
+            array_constraint(self.seq_dtype, 2), array_constraint(self.start_dtype, 4, w),
+            array_constraint(self.cu_dtype, 1), array_constraint(i32, 1),
+            array_constraint(f32, 5, w), array_constraint(f32, 3),
+            *(scalar_constraint(i32) for _ in range(7)), *self.constants()])
+
+    def describe(self) -> str:
+        return (f"chunk_state x={self.x_dtype} B={self.b_dtype} Q={self.chunk_size} "
+                f"RB={self.row_block} PB={self.p_block} NB={self.n_block} "
+                f"{self.precision} seq={self.has_seq} "
+                f"per_seq_start={self.per_seq_start} varlen={self.varlen} int64={self.wide}")
+
+
+@dataclass(frozen=True)
+class StatePassingConfig:
+    start_dtype: torch.dtype = torch.float32
+    state_dtype: torch.dtype = torch.float32
+    p_block: int = 32
+    n_block: int = 64
+    has_start: bool = False
+    varlen: bool = False
+    wide: bool = False
+
+    @property
+    def kernel(self):
+        return STATE_PASSING_KERNELS[self.wide]
+
+    def constants(self) -> tuple:
+        return (self.p_block, self.n_block, self.has_start, self.varlen)
+
+    def signature(self):
+        f32, i32, w = torch.float32, torch.int32, self.wide
+        return kernel_signature([
+            array_constraint(f32, 5, w), array_constraint(f32, 3),
+            array_constraint(self.start_dtype, 4, w), array_constraint(i32, 1),
+            array_constraint(self.state_dtype, 5, w), array_constraint(f32, 4, w),
+            array_constraint(f32, 4, w), *(scalar_constraint(i32) for _ in range(4)),
+            *self.constants()])
+
+    def describe(self) -> str:
+        return (f"state_passing start={self.start_dtype} states={self.state_dtype} "
+                f"PB={self.p_block} NB={self.n_block} start={self.has_start} "
+                f"varlen={self.varlen} int64={self.wide}")
+
+
+@dataclass
+class StateInputs:
+    """What stage 2 reads, already on the GPU. A (H,) fp32; seq_idx (b, L) int or None; start_states: the
+    row's start states (b, H, P, N), or with per_seq_start the (nseq, H, P, N) per-sequence ones
+    (batch 1, cu_seqlens given); cu_seqlens (nseq + 1,) int or None."""
+
+    x: torch.Tensor
+    B: torch.Tensor
+    dt: torch.Tensor
+    log2_decay_cumsum: torch.Tensor
+    A: torch.Tensor
+    seq_idx: torch.Tensor | None = None
+    start_states: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    per_seq_start: bool = False
+    varlen: bool = False
+
+
+def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: StatePassingConfig):
+    """(chunk_states, final_states, varlen_states or None); layouts in the module docstring."""
+    b, L, H, P = inp.x.shape
+    N = inp.B.shape[3]
+    Q = chunk_cfg.chunk_size
+    nchunks = -(-L // Q)
+    dev, f32 = inp.x.device, torch.float32
+    ends = None
+    if inp.varlen:
+        ends = (inp.cu_seqlens[1:] - 1).to(torch.int32)
+    ntargets = nchunks + (0 if ends is None else ends.numel())
+    increment = torch.empty(b, ntargets, H, P, N, device=dev, dtype=f32)
+    carry_weight = torch.empty(b, H, ntargets, device=dev, dtype=f32)
+    placeholder_int = torch.zeros(1, device=dev, dtype=torch.int32)
+    seq_idx = inp.seq_idx if inp.seq_idx is not None else placeholder_int.view(1, 1)
+    placeholder = increment.view(-1)[:1].view(1, 1, 1, 1)    # stands in for absent arrays, unread
+    start = inp.start_states if inp.per_seq_start else placeholder
+    cu = inp.cu_seqlens if inp.cu_seqlens is not None else placeholder_int
+    target_ends = ends if ends is not None else placeholder_int
+    npb, nnb = -(-P // chunk_cfg.p_block), -(-N // chunk_cfg.n_block)
+    stream = torch.cuda.current_stream()
+    ct.launch(stream, (ntargets * b * H * npb * nnb,), chunk_cfg.kernel,
+              (inp.x, inp.B, inp.dt, inp.log2_decay_cumsum, inp.A, seq_idx, start, cu, target_ends,
+               increment, carry_weight, L, nchunks, ntargets, H, H // inp.B.shape[2], npb, nnb,
+               *chunk_cfg.constants()))
+
+    chunk_states = torch.empty(b, nchunks, H, P, N, device=dev, dtype=pass_cfg.state_dtype)
+    final_states = torch.empty(b, H, P, N, device=dev, dtype=f32)
+    varlen_states = None
+    offsets = placeholder_int
+    if ends is not None:
+        varlen_states = torch.empty(ends.numel(), H, P, N, device=dev, dtype=f32)
+        chunk_starts = torch.arange(nchunks + 1, device=dev, dtype=torch.int32) * Q
+        offsets = torch.searchsorted(ends, chunk_starts).to(torch.int32)
+    row_start = inp.start_states
+    if row_start is not None and inp.per_seq_start:
+        row_start = row_start[:1]     # batch 1: the row starts with sequence 0
+    npb, nnb = -(-P // pass_cfg.p_block), -(-N // pass_cfg.n_block)
+    ct.launch(stream, (b * H * npb * nnb,), pass_cfg.kernel,
+              (increment, carry_weight, placeholder if row_start is None else row_start, offsets,
+               chunk_states, final_states, final_states if varlen_states is None else varlen_states,
+               nchunks, H, npb, nnb, *pass_cfg.constants()))
+    return chunk_states, final_states, varlen_states

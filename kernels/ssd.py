@@ -1,0 +1,335 @@
+"""``ssd_forward``: Mamba-2's SSD forward pass on the three cuTile kernels, a drop-in for mamba_ssm's
+``mamba_chunk_scan_combined`` (same arguments, order, defaults and return convention; the contract
+is ``kernels.contract``).
+
+    chunk_cumsum    dt, log2_decay_cumsum (b, H, nchunks, Q) fp32          kernels/chunk_cumsum.py
+    fwd_pass_state  chunk_states (b, nchunks, H, P, N) state_dtype,        kernels/fwd_pass_state.py
+                    final_states (b, H, P, N) fp32, varlen_states fp32
+    compute_out     out (b, L, H, P) in x's dtype                          kernels/compute_out.py
+
+Precision (``precision=``; kernels/tile_ops.py says what each mode computes). Errors below are
+normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
+  - float32 x: "ieee" by default: every product in float32 on the FMA units, the float32
+    chunked reference's accuracy (~1e-7..4e-7; within 2.2x of its max error on all 77 cases of
+    the full grid). "3xtf32" runs the matmuls on tensor cores in
+    split precision: up to ~4e-6, a few times float32's error, which a float32 reference-grade
+    rule rejects, hence an opt-in. "tf32" is the fast opt-in: ~2e-4..3e-4 (operands rounded to
+    10-bit mantissas; mamba_ssm's 1.2e-3 on float32 inputs is the same kind).
+  - bf16/fp16 x: "tf32" by default: raw 16-bit products (C.B^T) run in the input dtype, exact;
+    computed operands (decay-weighted scores, dt*x, states) of the output's matmuls are rounded to
+    TF32 (2^-11), below the 16-bit output's own rounding (2^-8 bf16, 2^-11 fp16). "input" rounds
+    them to the 16-bit dtype instead, as mamba_ssm does. In both, the chunk-state matmul (whose
+    result, final_states, is float32) splits its float32 operand in three TF32 terms against the
+    exact 16-bit one: float32-grade states at 3 MMAs of a small matmul.
+State dtype (``state_dtype=``): chunk_states are stored in float32 by default, the better
+envelope at a small cost. bf16 halves their traffic (the largest after x and out) and saved 5-11%
+of the anchor shapes' time on the H200 (e.g. 3.41 -> 3.11 ms at (8, 4096, 64, 64, 128); measured
+with a TF32 chunk-state matmul, before it moved to the 3-term split), but rounds
+every entering state to 2^-8: chunk_states' error grows from ~2e-7 to ~1.7e-3 normwise, bf16
+outputs' by ~20% (2.05e-3 vs ~1.7e-3), and float32 outputs would lose float32 grade entirely.
+
+Chunk size: 256 by default: on the H200 the anchor shapes ran 3-8% faster than at 128 and 15-30%
+faster than at 64 (bf16, TF32 mode, same TF32 chunk-state configuration; gpu_report --sweep).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kernels.chunk_cumsum import ChunkCumsumConfig, chunk_cumsum, head_block_for
+from kernels.compute_out import ComputeOutConfig, OutInputs, compute_out
+from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
+from kernels.device import require_gpu
+from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
+                                    fwd_pass_state)
+from kernels.tile_ops import INT32_LIMIT, PRECISIONS, needs_int64, next_pow2
+from oracles.common import SSDResult
+
+SUPPORTED_CHUNK_SIZES = (64, 128, 256)
+DEFAULT_CHUNK_SIZE = 256
+MAX_HEADDIM = 256
+MAX_DSTATE = 256
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEFAULT_STATE_DTYPE = torch.float32
+UNSUPPORTED_FEATURES: dict[str, str] = {}
+# Blocks the sequential state passing should have in flight: a few per SM of an H100/H200 (132).
+STATE_PASSING_MIN_BLOCKS = 4 * 132
+MIN_TILE = 16
+ROW_BLOCK = 64
+P_BLOCK = 64
+STATE_N_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class ProblemKey:
+    """What decides the kernel variants and tiles of a call: sizes, dtypes, feature flags."""
+
+    batch: int
+    seqlen: int
+    nheads: int
+    headdim: int
+    dstate: int
+    ngroups: int
+    chunk_size: int
+    x_dtype: torch.dtype
+    b_dtype: torch.dtype
+    c_dtype: torch.dtype
+    dt_dtype: torch.dtype = torch.float32
+    z_dtype: Optional[torch.dtype] = None
+    start_dtype: Optional[torch.dtype] = None
+    seq_dtype: Optional[torch.dtype] = None
+    cu_dtype: Optional[torch.dtype] = None
+    nseq: int = 0
+    has_d: bool = False
+    has_bias: bool = False
+    softplus: bool = False
+    has_limit: bool = False
+    per_seq_start: bool = False
+    varlen: bool = False
+    wide: Optional[bool] = None       # None: decided from the sizes, as for contiguous tensors
+
+    @classmethod
+    def from_problem(cls, p: SSDProblem, varlen: bool, wide: bool) -> "ProblemKey":
+        packed = p.seq_idx is not None or p.cu_seqlens is not None
+        seq_dtype = None
+        if packed:
+            seq_dtype = p.seq_idx.dtype if p.seq_idx is not None else p.cu_seqlens.dtype
+        return cls(batch=p.batch, seqlen=p.seqlen, nheads=p.nheads, headdim=p.headdim,
+                   dstate=p.dstate, ngroups=p.ngroups, chunk_size=p.chunk_size,
+                   x_dtype=p.x.dtype, b_dtype=p.B.dtype, c_dtype=p.C.dtype, dt_dtype=p.dt.dtype,
+                   z_dtype=None if p.z is None else p.z.dtype,
+                   start_dtype=None if p.initial_states is None else p.initial_states.dtype,
+                   seq_dtype=seq_dtype,
+                   cu_dtype=None if p.cu_seqlens is None else p.cu_seqlens.dtype,
+                   nseq=p.nseq or 0, has_d=p.D is not None, has_bias=p.dt_bias is not None,
+                   softplus=p.dt_softplus, has_limit=p.has_dt_limit,
+                   per_seq_start=p.per_sequence_initial_states, varlen=varlen, wide=wide)
+
+    @property
+    def nchunks(self) -> int:
+        return -(-self.seqlen // self.chunk_size)
+
+    def needs_int64(self) -> bool:
+        """Whether some array spans 2^31 elements or more (contiguous layouts)."""
+        if self.wide is not None:
+            return self.wide
+        states = self.batch * (self.nchunks + self.nseq) * self.nheads * self.headdim * self.dstate
+        sizes = (self.batch * self.seqlen * self.nheads * self.headdim,
+                 self.batch * self.seqlen * self.ngroups * self.dstate, states)
+        return max(sizes) >= INT32_LIMIT
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The compiled variant and tiles of each kernel for one call."""
+
+    cumsum: ChunkCumsumConfig
+    chunk_state: ChunkStateConfig
+    state_passing: StatePassingConfig
+    out: ComputeOutConfig
+
+    def configs(self):
+        return (self.cumsum, self.chunk_state, self.state_passing, self.out)
+
+
+def resolve_precision(precision: Optional[str], x_dtype: torch.dtype) -> str:
+    """The mode of the output's matmuls (module docstring)."""
+    if precision is None or precision == "auto":
+        return "ieee" if x_dtype == torch.float32 else "tf32"
+    if precision not in PRECISIONS:
+        raise SSDInputError(f"precision: expected 'auto' or one of {PRECISIONS}, got {precision!r}")
+    if precision == "input" and x_dtype == torch.float32:
+        raise SSDInputError("precision: expected 'input' only with bf16/fp16 x (it rounds MMA "
+                            "operands to x's 16-bit dtype), got 'input' with float32 x; use "
+                            "'tf32' for a fast float32 mode")
+    return precision
+
+
+def state_precision(mode: str, x_dtype: torch.dtype) -> str:
+    """The mode of the chunk-state matmul: float32-grade for 16-bit x (final_states are float32),
+    the user's mode for float32 x."""
+    return "3xtf32" if x_dtype != torch.float32 and mode in ("tf32", "input") else mode
+
+
+def _state_passing_tiles(key: ProblemKey, p_pad: int, n_pad: int) -> tuple[int, int]:
+    """Tiles small enough that the sequential walk over chunks has enough blocks in flight."""
+    p_block, n_block = min(p_pad, 32), min(n_pad, STATE_N_BLOCK)
+    while key.batch * key.nheads * (p_pad // p_block) * (n_pad // n_block) < STATE_PASSING_MIN_BLOCKS:
+        if n_block > MIN_TILE:
+            n_block //= 2
+        elif p_block > MIN_TILE:
+            p_block //= 2
+        else:
+            break
+    return p_block, n_block
+
+
+def make_plan(key: ProblemKey, state_dtype: torch.dtype = DEFAULT_STATE_DTYPE,
+              precision: Optional[str] = None) -> Plan:
+    """The kernels' variants and tiles for a problem: a pure function of the key (CI compiles the
+    variants it picks for the anchor shapes without a GPU)."""
+    mode = resolve_precision(precision, key.x_dtype)
+    wide = key.needs_int64()
+    Q = key.chunk_size
+    row_block = min(ROW_BLOCK, Q)
+    p_pad = max(MIN_TILE, next_pow2(key.headdim))
+    n_pad = max(MIN_TILE, next_pow2(key.dstate))
+    p_block = min(p_pad, P_BLOCK)
+    int32 = torch.int32
+    has_seq = key.seq_dtype is not None
+    f32 = torch.float32
+    cumsum = ChunkCumsumConfig(dt_dtype=key.dt_dtype, chunk_size=Q,
+                               head_block=head_block_for(key.nheads), has_bias=key.has_bias,
+                               softplus=key.softplus, has_limit=key.has_limit, wide=wide)
+    per_seq_start_dtype = key.start_dtype if key.per_seq_start else f32
+    chunk_state = ChunkStateConfig(
+        x_dtype=key.x_dtype, b_dtype=key.b_dtype, seq_dtype=key.seq_dtype or int32,
+        start_dtype=per_seq_start_dtype, cu_dtype=key.cu_dtype or int32, chunk_size=Q,
+        row_block=row_block, p_block=p_block, n_block=min(n_pad, STATE_N_BLOCK),
+        precision=state_precision(mode, key.x_dtype), has_seq=has_seq,
+        per_seq_start=key.per_seq_start, varlen=key.varlen, wide=wide)
+    pass_p, pass_n = _state_passing_tiles(key, p_pad, n_pad)
+    passing = StatePassingConfig(start_dtype=key.start_dtype or f32, state_dtype=state_dtype,
+                                 p_block=pass_p, n_block=pass_n,
+                                 has_start=key.start_dtype is not None, varlen=key.varlen,
+                                 wide=wide)
+    out = ComputeOutConfig(
+        x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
+        z_dtype=key.z_dtype or key.x_dtype, state_dtype=state_dtype,
+        seq_dtype=key.seq_dtype or int32, start_dtype=per_seq_start_dtype,
+        cu_dtype=key.cu_dtype or int32, chunk_size=Q, row_block=row_block, p_block=p_block,
+        n_pad=n_pad, precision=mode,
+        has_d=key.has_d, has_z=key.z_dtype is not None, has_seq=has_seq,
+        per_seq_start=key.per_seq_start, wide=wide)
+    return Plan(cumsum, chunk_state, passing, out)
+
+
+def _check_supported(problem: SSDProblem, state_dtype) -> None:
+    if problem.headdim > MAX_HEADDIM:
+        raise SSDInputError(f"x: expected headdim (dimension 3) <= {MAX_HEADDIM} (the cuTile "
+                            f"kernels' tiles), got headdim={problem.headdim}; split the heads")
+    if problem.dstate > MAX_DSTATE:
+        raise SSDInputError(f"B: expected dstate (dimension 3) <= {MAX_DSTATE} (the cuTile "
+                            f"kernels hold a state row in one tile), got dstate={problem.dstate}")
+    if state_dtype not in STATE_DTYPES:
+        raise SSDInputError(f"state_dtype: expected one of {STATE_DTYPES}, got {state_dtype}")
+
+
+def _wide(problem: SSDProblem) -> bool:
+    """Whether any array the kernels touch spans 2^31 elements (strides of the inputs included)."""
+    key = ProblemKey.from_problem(problem, varlen=problem.cu_seqlens is not None, wide=None)
+    return key.needs_int64() or needs_int64(problem.x, problem.B, problem.C, problem.z,
+                                            problem.initial_states)
+
+
+@dataclass
+class StagePipeline:
+    """The three kernel launches of one problem, each on the outputs of the stages before it.
+
+    ``run_stages`` chains them; the benchmarks time each one alone with the same arguments.
+    """
+
+    problem: SSDProblem
+    plan: Plan
+    A: torch.Tensor
+    seq_idx: Optional[torch.Tensor]
+    varlen: bool
+
+    def cumsum(self):
+        p = self.problem
+        return chunk_cumsum(p.dt, self.A, self.plan.cumsum, dt_bias=p.dt_bias, dt_limit=p.dt_limit)
+
+    def states(self, dt, log2_cumsum):
+        p = self.problem
+        return fwd_pass_state(
+            StateInputs(x=p.x, B=p.B, dt=dt, log2_decay_cumsum=log2_cumsum, A=self.A,
+                        seq_idx=self.seq_idx, start_states=p.initial_states,
+                        cu_seqlens=p.cu_seqlens, per_seq_start=p.per_sequence_initial_states,
+                        varlen=self.varlen),
+            self.plan.chunk_state, self.plan.state_passing)
+
+    def out(self, dt, log2_cumsum, chunk_states):
+        p = self.problem
+        D = None
+        if p.D is not None:
+            D = p.D.to(torch.float32).reshape(p.nheads, -1).expand(p.nheads, p.headdim).contiguous()
+        return compute_out(
+            OutInputs(x=p.x, B=p.B, C=p.C, dt=dt, log2_decay_cumsum=log2_cumsum, A=self.A,
+                      chunk_states=chunk_states, D=D, z=p.z, seq_idx=self.seq_idx,
+                      start_states=p.initial_states if p.per_sequence_initial_states else None,
+                      cu_seqlens=p.cu_seqlens),
+            self.plan.out)
+
+
+def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[str] = None,
+                   varlen: Optional[bool] = None) -> StagePipeline:
+    """Check what the kernels support and pick their variants for a validated problem.
+
+    varlen: compute varlen_states (default: whenever cu_seqlens is given).
+    """
+    state_dtype = DEFAULT_STATE_DTYPE if state_dtype is None else state_dtype
+    _check_supported(problem, state_dtype)
+    resolve_precision(precision, problem.x.dtype)
+    require_gpu(problem.x)
+    varlen = problem.cu_seqlens is not None if varlen is None else bool(varlen and
+                                                                       problem.cu_seqlens is not None)
+    plan = make_plan(ProblemKey.from_problem(problem, varlen=varlen, wide=_wide(problem)),
+                     state_dtype, precision)
+    p = problem
+    seq_idx = p.seq_idx
+    if seq_idx is None and p.cu_seqlens is not None:
+        lengths = (p.cu_seqlens[1:] - p.cu_seqlens[:-1]).to(torch.int64)
+        seq_idx = torch.repeat_interleave(
+            torch.arange(p.nseq, device=p.device, dtype=p.cu_seqlens.dtype), lengths,
+            output_size=p.seqlen).view(1, p.seqlen)
+    return StagePipeline(problem, plan, p.A.to(torch.float32), seq_idx, varlen)
+
+
+def run_stages(problem: SSDProblem, state_dtype=None, precision: Optional[str] = None,
+               varlen: Optional[bool] = None) -> SSDResult:
+    """All three kernels on a validated problem; every stage in ``stages``."""
+    pipeline = stage_pipeline(problem, state_dtype, precision, varlen)
+    dt, log2_cumsum = pipeline.cumsum()
+    chunk_states, final_states, varlen_states = pipeline.states(dt, log2_cumsum)
+    out = pipeline.out(dt, log2_cumsum, chunk_states)
+    return SSDResult(out=out, final_states=final_states, varlen_states=varlen_states,
+                     stages={"dt": dt, "log2_decay_cumsum": log2_cumsum,
+                             "chunk_states": chunk_states})
+
+
+def ssd_forward_stages(problem: SSDProblem, *, state_dtype=None,
+                       precision: Optional[str] = None) -> SSDResult:
+    """The kernels on a validated ``SSDProblem`` (``kernels.contract.validate`` or
+    ``properties.problems.build_problem``): out, final_states, varlen_states (when cu_seqlens is
+    given) and the stages dt, log2_decay_cumsum, chunk_states in their shared layouts."""
+    if problem.chunk_size not in SUPPORTED_CHUNK_SIZES:
+        raise SSDInputError(f"chunk_size: expected one of {SUPPORTED_CHUNK_SIZES} (the cuTile "
+                            f"kernels), got {problem.chunk_size}")
+    return run_stages(problem, state_dtype=state_dtype, precision=precision)
+
+
+def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
+                initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
+                dt_limit=(0.0, math.inf), return_final_states=False, return_varlen_states=False,
+                *, state_dtype=None, precision: Optional[str] = None):
+    """Mamba-2 SSD forward: out [, final_states] [, varlen_states], as mamba_ssm returns them.
+
+    Arguments as ``mamba_chunk_scan_combined`` (kernels.contract documents them). chunk_size None
+    takes DEFAULT_CHUNK_SIZE; supported: 64, 128, 256. headdim and dstate up to 256. Inputs may be
+    non-contiguous (the kernels read through strides). state_dtype: dtype of the stored chunk
+    states (float32 default); precision: 'auto' (default), 'ieee', '3xtf32', 'tf32' or 'input'
+    (see the module docstring).
+    """
+    problem = validate(x, dt, A, B, C, DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,
+                       D=D, z=z, dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
+                       cu_seqlens=cu_seqlens, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                       return_final_states=return_final_states,
+                       return_varlen_states=return_varlen_states,
+                       supported_chunk_sizes=SUPPORTED_CHUNK_SIZES,
+                       implementation="the cuTile kernels")
+    result = run_stages(problem, state_dtype=state_dtype, precision=precision,
+                        varlen=return_varlen_states)
+    return pack_outputs(problem, result.out, result.final_states, result.varlen_states)

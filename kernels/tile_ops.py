@@ -1,0 +1,188 @@
+"""What the three SSD kernels share: matmul precision modes, safe exponentials, softplus, and the
+host-side bookkeeping of kernel variants (dtypes, 64-bit indexing, hand-written signatures).
+
+Precision modes (``ct.mma`` operands; accumulation is always float32):
+
+    ieee    float32 operands on FMA units: float32 products, no tensor cores.
+    3xtf32  split precision on tensor cores, 3 MMAs. Two float32 operands: a = hi + lo with
+            hi = tf32(a), lo = tf32(a - hi) (round to nearest), a.b ~ hi.hi + hi.lo + lo.hi; the
+            dropped lo.lo and the rounding of lo leave ~2^-22 relative per product, a few times
+            float32's 2^-24 (measured on the H200: normwise error up to ~4e-6 on float32 inputs,
+            against ~4e-7 for float32 itself). A 16-bit operand is exact in TF32: the other one
+            is split in three (hi + mid + lo, 33 bits), so each product is exact to ~2^-33.
+    tf32    operands rounded to TF32 (10-bit mantissa, ~2^-11 relative per operand).
+    input   operands rounded to the 16-bit input dtype (bf16 / fp16), mamba_ssm's choice.
+
+A product of two raw 16-bit inputs of one dtype (C . B^T with bf16 B and C) is exact in every mode
+and always runs in that dtype.
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import cuda.tile as ct
+import torch
+from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
+
+LOG2_E = math.log2(math.e)
+# Every kernel treats softplus(v) as v above this (e^-20 ~ 2e-9 absolute), as the contract allows.
+SOFTPLUS_IDENTITY_THRESHOLD = 20.0
+
+PRECISIONS = ("ieee", "3xtf32", "tf32", "input")
+MODE = {name: i for i, name in enumerate(PRECISIONS)}
+MODE_IEEE, MODE_3XTF32, MODE_TF32, MODE_INPUT = (MODE[p] for p in PRECISIONS)
+
+CT_DTYPE = {torch.float32: ct.float32, torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,
+            torch.int32: ct.int32, torch.int64: ct.int64}
+# Arrays at or above this many addressable elements need 64-bit shape/stride/offset arithmetic.
+INT32_LIMIT = 2**31
+
+
+# ----------------------------------------------------------------------------- tile code
+
+@ct.function
+def exp2_nonpos(exponent):
+    """2^min(exponent, 0): decays never exceed 1, and a masked (positive) difference never
+    overflows into an inf that a 0 would later multiply into NaN. A NaN exponent (NaN dt) stays
+    NaN: it must reach the outputs it touches."""
+    return ct.exp2(ct.minimum(exponent, 0.0, propagate_nan=True))
+
+
+@ct.function
+def softplus(v):
+    """log(1 + e^v) = max(v, 0) + log1p(t), t = e^-|v| in (0, 1]; the identity above
+    SOFTPLUS_IDENTITY_THRESHOLD. log1p(t) = 2 atanh(s) with s = t / (2 + t) <= 1/3, summed as
+    2 s (1 + s^2/3 + ... + s^14/15) (truncation < 1e-9 relative): a few ulp for every t, where
+    log(1 + t) loses ~eps/t relatively (1e-4 at dt ~ 1e-3) and a fast log near 1 loses more."""
+    t = ct.exp(-ct.abs(v), rounding_mode=ct.RoundingMode.FULL)
+    s = t / (2.0 + t)
+    s2 = s * s
+    series = 1.0 / 15.0
+    for odd in ct.static_iter((13.0, 11.0, 9.0, 7.0, 5.0, 3.0, 1.0)):
+        series = series * s2 + 1.0 / odd
+    smooth = ct.maximum(v, 0.0, propagate_nan=True) + 2.0 * s * series
+    return ct.where(v > SOFTPLUS_IDENTITY_THRESHOLD, v, smooth)
+
+
+@ct.function
+def log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk, start, S_to):
+    """The log2 decay from just before chunk-local position ``start`` to the position whose
+    cumsum is S_to: (S_to - S_start) + dt_start * A * log2(e). The step at ``start`` is recomputed
+    exactly as chunk_cumsum summed it, not taken as S_start - S_(start-1): that difference of two
+    cumsums (each ~30 in magnitude over a chunk) would cost ~1e-6 relative on the decay."""
+    at = (batch, head, chunk, start)
+    S_start = ct.load(log2_decay_cumsum, at, shape=(1, 1, 1, 1)).reshape(())
+    step = ct.load(dt, at, shape=(1, 1, 1, 1)).reshape(())
+    a = ct.load(A, (head,), shape=())
+    return (S_to - S_start) + step * (a * LOG2_E)
+
+
+@ct.function
+def _is_16bit(t):
+    return t.dtype == ct.bfloat16 or t.dtype == ct.float16
+
+
+@ct.function
+def _tf32(a):
+    return a.astype(ct.tfloat32, rounding_mode=ct.RoundingMode.RN)
+
+
+@ct.function
+def _tf32_split(a):
+    """(hi, lo): a ~ hi + lo, both TF32, to ~2^-22 relative."""
+    hi = _tf32(a)
+    return hi, _tf32(a - hi.astype(ct.float32))
+
+
+@ct.function
+def _exact_times_split(exact, split_me, acc, EXACT_LEFT: ct.Constant[bool]):
+    """acc + exact @ split_me (or split_me @ exact): ``exact`` is exact in TF32 (a 16-bit input),
+    ``split_me`` float32 in three TF32 terms, so every product is exact to ~2^-33."""
+    e = exact.astype(ct.tfloat32)
+    hi = _tf32(split_me)
+    rest = split_me - hi.astype(ct.float32)
+    mid = _tf32(rest)
+    lo = _tf32(rest - mid.astype(ct.float32))
+    # Small terms first: they are then added to a small accumulator, not lost in a large one.
+    for term in ct.static_iter((lo, mid, hi)):
+        if EXACT_LEFT:
+            acc = ct.mma(e, term, acc)
+        else:
+            acc = ct.mma(term, e, acc)
+    return acc
+
+
+@ct.function
+def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
+    """acc + a @ b in float32 at the precision MODE names (module docstring). LOW_DTYPE is the
+    16-bit dtype of MODE_INPUT (ignored by the other modes)."""
+    if a.dtype == b.dtype and _is_16bit(a):
+        acc = ct.mma(a, b, acc)
+    elif MODE == MODE_IEEE:
+        acc = ct.mma(a.astype(ct.float32), b.astype(ct.float32), acc)
+    elif MODE == MODE_TF32:
+        acc = ct.mma(_tf32(a.astype(ct.float32)), _tf32(b.astype(ct.float32)), acc)
+    elif MODE == MODE_INPUT:
+        acc = ct.mma(a.astype(LOW_DTYPE), b.astype(LOW_DTYPE), acc)
+    elif _is_16bit(a):
+        acc = _exact_times_split(a, b.astype(ct.float32), acc, True)
+    elif _is_16bit(b):
+        acc = _exact_times_split(b, a.astype(ct.float32), acc, False)
+    else:
+        a_hi, a_lo = _tf32_split(a.astype(ct.float32))
+        b_hi, b_lo = _tf32_split(b.astype(ct.float32))
+        acc = ct.mma(a_lo, b_hi, acc)
+        acc = ct.mma(a_hi, b_lo, acc)
+        acc = ct.mma(a_hi, b_hi, acc)
+    return acc
+
+
+# ----------------------------------------------------------------------------- host side
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def span(t: torch.Tensor) -> int:
+    """Elements between t's first and one past its last addressable element (strides included)."""
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+
+
+def needs_int64(*tensors) -> bool:
+    return any(t is not None and span(t) >= INT32_LIMIT for t in tensors)
+
+
+def index_variants(fn, wide_params: tuple[str, ...]) -> dict[bool, ct.kernel]:
+    """{False: kernel, True: the same kernel with 64-bit indexing of ``wide_params``}.
+
+    cuTile indexes an array in int32 unless its parameter is annotated ``ct.IndexedWithInt64``;
+    offsets past 2^31 elements would wrap. Both variants come from one Python body, so they
+    cannot drift apart.
+    """
+    variants = {}
+    for wide in (False, True):
+        body = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                                  fn.__closure__)
+        body.__qualname__ = fn.__qualname__
+        body.__doc__ = fn.__doc__
+        body.__annotations__ = dict(fn.__annotations__)
+        if wide:
+            body.__annotations__.update({p: ct.IndexedWithInt64 for p in wide_params})
+        variants[wide] = ct.kernel(body)
+    return variants
+
+
+def array_constraint(dtype: torch.dtype, ndim: int, wide: bool = False) -> ArrayConstraint:
+    """What the JIT assumes of a contiguous torch tensor: unit last stride, 16-byte base."""
+    return ArrayConstraint(CT_DTYPE[dtype], ndim, index_dtype=ct.int64 if wide else ct.int32,
+                           stride_lower_bound_incl=0, alias_groups=(), may_alias_internally=False,
+                           stride_constant=(None,) * (ndim - 1) + (1,), base_addr_divisible_by=16)
+
+
+def scalar_constraint(dtype: torch.dtype) -> ScalarConstraint:
+    return ScalarConstraint(CT_DTYPE[dtype])
+
+
+def kernel_signature(parameters) -> KernelSignature:
+    return KernelSignature(parameters, CallingConvention.cutile_python_v2())

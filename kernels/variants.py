@@ -1,0 +1,247 @@
+"""The kernel variants CI compiles without a GPU, and the compiler driver.
+
+The covering set is a list of problem recipes (``COVERING_KEYS``) run through the dispatcher
+(``kernels.ssd.make_plan``), so CI compiles exactly the variants real calls launch: the anchor
+shapes in bf16 (plain and as a Mamba-2 layer calls them), the >2^31-element case, and small recipes
+chosen so that every dtype, chunk size, headdim, dstate, precision mode and feature flag appears at
+least once, several pairwise. Each variant is compiled for sm_80, sm_90 and sm_100 from the
+bytecode ``cuda.tile.compilation.export_kernel`` writes for its hand-written ``KernelSignature``,
+by tileiras with cuTile's own flags (-O3 --lineinfo); on sm_90 tileiras also reports where each
+MMA landed (``--remarks=tensorcore``): a variant whose precision mode promises tensor cores fails
+if any of its MMAs falls back to FMA.
+
+    python3 -m kernels.variants [--target sm_90 ...] [--jobs 2] [--list] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from multiprocessing import get_context
+
+import torch
+from cuda.tile.compilation import export_kernel
+
+from kernels.ssd import DEFAULT_CHUNK_SIZE, ProblemKey, make_plan
+from kernels.device import tileiras_path
+
+TARGETS = ("sm_80", "sm_90", "sm_100")
+REMARK_TARGET = "sm_90"
+# cuTile's compile flags for a kernel with default options (cuda/tile/_compile.py: compile_cubin).
+TILEIRAS_FLAGS = ("-O3", "--lineinfo")
+TENSOR_CORE_PRECISIONS = ("3xtf32", "tf32", "input")
+MMA_KERNELS = ("chunk_state", "compute_out")
+
+f32, bf16, f16, i32, i64 = torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
+
+
+def _anchor(batch, seqlen, nheads, ngroups, **kw) -> ProblemKey:
+    return ProblemKey(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
+                      ngroups=ngroups, chunk_size=DEFAULT_CHUNK_SIZE, x_dtype=bf16, b_dtype=bf16,
+                      c_dtype=bf16, **kw)
+
+
+def _small(x, bc, Q, H, P, N, G, **kw) -> ProblemKey:
+    b_dtype, c_dtype = bc if isinstance(bc, tuple) else (bc, bc)
+    return ProblemKey(batch=2, seqlen=1000, nheads=H, headdim=P, dstate=N, ngroups=G,
+                      chunk_size=Q, x_dtype=x, b_dtype=b_dtype, c_dtype=c_dtype, **kw)
+
+
+# (name, key, state_dtype, precision); precision None = what 'auto' picks.
+COVERING_KEYS = (
+    ("anchor-b8-L4096-h64", _anchor(8, 4096, 64, 1), f32, None),
+    ("anchor-b4-L8192-h32-g8", _anchor(4, 8192, 32, 8), f32, None),
+    ("anchor-b1-L65536-h64", _anchor(1, 65536, 64, 1), f32, None),
+    ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,
+                                          softplus=True), f32, None),
+    ("int64-b1-L139264-h256", _anchor(1, 139264, 256, 1, has_d=True), f32, None),
+    ("fp32-q64-ieee-all-flags", _small(f32, f32, 64, 4, 32, 16, 1, z_dtype=f32, has_d=True,
+                                       has_bias=True, softplus=True, has_limit=True,
+                                       start_dtype=f32, seq_dtype=i32), f32, "ieee"),
+    ("fp32-q128-3xtf32-varlen", _small(f32, f32, 128, 8, 64, 32, 2, start_dtype=f32,
+                                       seq_dtype=i32, cu_dtype=i32, nseq=5, per_seq_start=True,
+                                       varlen=True), f32, None),
+    ("fp32-q256-tf32-int64", _small(f32, f32, 256, 8, 128, 256, 8, softplus=True,
+                                    start_dtype=bf16, wide=True), bf16, "tf32"),
+    ("fp32-q64-3xtf32-int64", _small(f32, f32, 64, 4, 64, 128, 1, has_d=True, wide=True),
+     f32, "3xtf32"),
+    ("fp16-q64-input", _small(f16, f16, 64, 16, 64, 64, 2, dt_dtype=f16, z_dtype=f16,
+                              has_d=True, has_limit=True, start_dtype=f32, seq_dtype=i64),
+     f16, "input"),
+    ("bf16x-fp32bc-q128-3xtf32-varlen", _small(bf16, f32, 128, 16, 128, 128, 16, dt_dtype=bf16,
+                                               z_dtype=bf16, start_dtype=bf16, seq_dtype=i64,
+                                               cu_dtype=i64, nseq=3, per_seq_start=True,
+                                               varlen=True), f32, "3xtf32"),
+    ("bf16-q256-ieee", _small(bf16, bf16, 256, 8, 32, 64, 1, has_d=True, has_bias=True,
+                              start_dtype=bf16), bf16, "ieee"),
+    ("fp16x-bf16b-fp16c-q128-tf32", _small(f16, (bf16, f16), 128, 8, 64, 16, 4, z_dtype=f16),
+     f32, "tf32"),
+    ("bf16-q64-input-packed", _small(bf16, bf16, 64, 8, 128, 32, 2, z_dtype=bf16,
+                                     seq_dtype=i32, cu_dtype=i32, nseq=4, varlen=True,
+                                     has_d=True), bf16, "input"),
+)
+
+_KERNEL_NAMES = ("chunk_cumsum", "chunk_state", "state_passing", "compute_out")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled variant: a kernel config and the recipes that launch it."""
+
+    kernel: str
+    config: object
+    recipes: tuple[str, ...]
+    precision: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel}[{self.recipes[0]}]"
+
+    @property
+    def needs_tensor_cores(self) -> bool:
+        return self.kernel in MMA_KERNELS and self.precision in TENSOR_CORE_PRECISIONS
+
+
+def covering_variants() -> list[Variant]:
+    """Every distinct kernel config the covering recipes launch, in first-seen order."""
+    found: dict[tuple, Variant] = {}
+    for recipe, key, state_dtype, precision in COVERING_KEYS:
+        plan = make_plan(key, state_dtype, precision)
+        for kernel, cfg in zip(_KERNEL_NAMES, plan.configs()):
+            mode = getattr(cfg, "precision", "")
+            ident = (kernel, cfg)
+            if ident in found:
+                found[ident] = replace(found[ident], recipes=found[ident].recipes + (recipe,))
+            else:
+                found[ident] = Variant(kernel, cfg, (recipe,), mode)
+    return list(found.values())
+
+
+@dataclass
+class CompileResult:
+    variant: str
+    target: str
+    ok: bool
+    seconds: float
+    tensor_core_mmas: int = 0
+    fma_mmas: list = field(default_factory=list)
+    error: str = ""
+
+
+_REMARK = re.compile(r"remark\[(passed|failed)\]: MMA operation[^\n]*\n\s*--> \"([^\"]+)\":(\d+)")
+
+
+def mma_remarks(remarks: str) -> tuple[int, list[str]]:
+    """(MMAs on tensor cores, 'file:line' of MMAs left on FMA units) from tileiras's
+    command-line tensor-core remarks."""
+    passed, failed = 0, []
+    for kind, path, line in _REMARK.findall(remarks):
+        if kind == "passed":
+            passed += 1
+        else:
+            failed.append(f"{os.path.basename(path)}:{line}")
+    return passed, failed
+
+
+def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -> CompileResult:
+    """Compile one variant for one target; never raises (the result says what went wrong)."""
+    start = time.perf_counter()
+    result = CompileResult(variant.name, target, ok=False, seconds=0.0)
+    try:
+        bytecode = io.BytesIO()
+        export_kernel(variant.config.kernel, [variant.config.signature()], bytecode,
+                      output_format="tileir_bytecode")
+        with tempfile.TemporaryDirectory() as tmp:
+            source = os.path.join(tmp, "kernel.tilebc")
+            with open(source, "wb") as f:
+                f.write(bytecode.getvalue())
+            stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", variant.name).strip("-")
+            cubin = os.path.join(out_dir or tmp, f"{stem}.{target}.cubin")
+            command = [tileiras_path(), source, "--gpu-name", target, *TILEIRAS_FLAGS, "-o", cubin]
+            if target == REMARK_TARGET:
+                command += ["--remark-format=command-line", "--remarks=tensorcore"]
+            run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            if run.returncode != 0:
+                result.error = (run.stderr or run.stdout)[-4000:]
+            elif not os.path.getsize(cubin):
+                result.error = "tileiras wrote an empty cubin"
+            else:
+                result.ok = True
+                if target == REMARK_TARGET:
+                    result.tensor_core_mmas, result.fma_mmas = mma_remarks(run.stdout + run.stderr)
+    except Exception as exc:   # a front-end error (TileError) names file:line; keep its message
+        result.error = f"{type(exc).__name__}: {exc}"[-4000:]
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _compile_task(args):
+    index, target, out_dir = args
+    return compile_variant(covering_variants()[index], target, out_dir)
+
+
+def compile_all(targets=TARGETS, jobs: int = 2, out_dir: str | None = None) -> list[CompileResult]:
+    """Every covering variant for every target, ``jobs`` compiles at a time (spawned processes:
+    cuTile's front end is Python, tileiras is single-threaded per kernel)."""
+    tasks = [(i, t, out_dir) for i in range(len(covering_variants())) for t in targets]
+    if jobs <= 1:
+        return [_compile_task(task) for task in tasks]
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+        return list(pool.map(_compile_task, tasks))
+
+
+def tensor_core_violations(variant: Variant, result: CompileResult) -> list[str]:
+    """Why a compiled variant breaks its tensor-core promise (empty when it keeps it)."""
+    if not (result.ok and result.target == REMARK_TARGET and variant.needs_tensor_cores):
+        return []
+    problems = [f"MMA on FMA units at {where}" for where in result.fma_mmas]
+    if result.tensor_core_mmas == 0:
+        problems.append("no MMA reported on tensor cores")
+    return problems
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m kernels.variants", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", action="append", choices=TARGETS,
+                        help="compile for this target (repeatable; default: all)")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--list", action="store_true", help="list the variants and exit")
+    parser.add_argument("--out", help="keep the cubins (and results.json) in this folder")
+    args = parser.parse_args(argv)
+    variants = covering_variants()
+    if args.list:
+        for v in variants:
+            print(f"{v.name:60s} {v.config.describe()}  <- {', '.join(v.recipes)}")
+        return 0
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    start = time.perf_counter()
+    results = compile_all(tuple(args.target or TARGETS), args.jobs, args.out)
+    by_name = {v.name: v for v in variants}
+    failures = 0
+    for r in results:
+        problems = ([r.error] if not r.ok else []) + tensor_core_violations(by_name[r.variant], r)
+        failures += bool(problems)
+        status = "FAIL" if problems else "ok"
+        tc = f" tc={r.tensor_core_mmas}" if r.target == REMARK_TARGET else ""
+        print(f"{status:4s} {r.target} {r.seconds:5.1f}s{tc} {r.variant}")
+        for p in problems:
+            print("     " + p.replace("\n", "\n     "))
+    print(f"{len(results)} compiles, {failures} failed, {time.perf_counter() - start:.0f} s")
+    if args.out:
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump([r.__dict__ for r in results], f, indent=1)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

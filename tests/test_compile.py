@@ -1,0 +1,143 @@
+"""CI without a GPU: every covering kernel variant compiles to sm_80/sm_90/sm_100 cubins, keeps its
+matmuls on tensor cores where its precision mode promises them (sm_90 remarks), and the host code
+launches exactly the signatures CI compiles.
+
+The compiles (~150 tileiras runs) happen once, two at a time, in a module fixture; each
+(variant, target) is then its own test. Measured on the 2-core CI machine: see kernels/variants.py.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import chunk_cumsum, compute_out, fwd_pass_state, ssd
+from kernels.tile_ops import CT_DTYPE
+from kernels.variants import (COVERING_KEYS, TARGETS, compile_all, covering_variants,
+                              tensor_core_violations)
+from kernels.gpu_report import ANCHORS
+from properties.problems import ProblemSpec, build_problem
+
+VARIANTS = covering_variants()
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    results = compile_all(TARGETS, jobs=2)
+    return {(r.variant, r.target): r for r in results}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.name for v in VARIANTS])
+def test_variant_compiles(compiled, variant, target):
+    result = compiled[(variant.name, target)]
+    assert result.ok, f"{variant.config.describe()} on {target}:\n{result.error}"
+    problems = tensor_core_violations(variant, result)
+    assert not problems, f"{variant.config.describe()} on {target}: {problems}"
+
+
+def test_covering_set_covers_every_value():
+    """Every dtype, chunk size, headdim, dstate, precision and flag appears at least once."""
+    keys = [(key, state_dtype, ssd.resolve_precision(precision, key.x_dtype))
+            for _, key, state_dtype, precision in COVERING_KEYS]
+    seen = lambda f: {f(k, s, p) for k, s, p in keys}  # noqa: E731
+    dtypes = {torch.float32, torch.bfloat16, torch.float16}
+    assert seen(lambda k, s, p: k.x_dtype) >= dtypes
+    assert seen(lambda k, s, p: k.b_dtype) >= dtypes
+    assert seen(lambda k, s, p: k.c_dtype) >= dtypes
+    assert seen(lambda k, s, p: k.dt_dtype) >= dtypes
+    assert seen(lambda k, s, p: s) >= dtypes
+    assert seen(lambda k, s, p: k.start_dtype) >= {None, torch.float32, torch.bfloat16}
+    assert seen(lambda k, s, p: k.seq_dtype) >= {None, torch.int32, torch.int64}
+    assert seen(lambda k, s, p: k.chunk_size) >= set(ssd.SUPPORTED_CHUNK_SIZES)
+    assert seen(lambda k, s, p: k.headdim) >= {32, 64, 128}
+    assert seen(lambda k, s, p: k.dstate) >= {16, 32, 64, 128, 256}
+    assert seen(lambda k, s, p: p) >= {"ieee", "3xtf32", "tf32", "input"}
+    for flag in ("has_d", "has_bias", "softplus", "has_limit", "per_seq_start", "varlen"):
+        assert seen(lambda k, s, p: getattr(k, flag)) == {False, True}, flag
+    assert seen(lambda k, s, p: k.z_dtype is not None) == {False, True}
+    assert seen(lambda k, s, p: k.needs_int64()) == {False, True}
+    # Pairwise where it matters most: each precision mode with float32 and with 16-bit x.
+    pairs = seen(lambda k, s, p: (p, k.x_dtype == torch.float32))
+    assert pairs >= {("ieee", True), ("ieee", False), ("3xtf32", True), ("3xtf32", False),
+                     ("tf32", True), ("tf32", False), ("input", False)}
+
+
+def _constraint_matches(constraint, arg) -> bool:
+    from cuda.tile.compilation import ArrayConstraint, ConstantConstraint, ScalarConstraint
+    if isinstance(constraint, ArrayConstraint):
+        return (isinstance(arg, torch.Tensor) and CT_DTYPE[arg.dtype] == constraint.dtype
+                and arg.dim() == constraint.ndim)
+    if isinstance(constraint, ScalarConstraint):
+        kind = float if constraint.dtype == CT_DTYPE[torch.float32] else int
+        return isinstance(arg, kind) and not isinstance(arg, bool)
+    if isinstance(constraint, ConstantConstraint):
+        return type(arg) is type(constraint.value) and arg == constraint.value
+    return False
+
+
+LAUNCH_SPECS = (
+    ProblemSpec(batch=2, seqlen=300, nheads=8, headdim=64, dstate=32, ngroups=2, chunk_size=64,
+                x_dtype="bf16", bc_dtype="bf16", D="head", z=True, dt_bias=True,
+                dt_softplus=True, dt_limit=(1e-3, 0.1), initial_states=True, state_dtype="bf16"),
+    ProblemSpec(batch=1, seqlen=1000, nheads=4, headdim=32, dstate=128, ngroups=1,
+                chunk_size=256, cu_seqlens=(0, 100, 400, 1000), initial_states=True,
+                per_sequence_initial_states=True, return_varlen_states=True, D="channel"),
+    ProblemSpec(batch=1, seqlen=129, nheads=4, headdim=16, dstate=16, chunk_size=128,
+                x_dtype="fp16", bc_dtype="bf16", param_dtype="bf16", cu_seqlens=(0, 64, 129),
+                pass_seq_idx=False, return_varlen_states=True),
+)
+
+
+@pytest.mark.parametrize("spec", LAUNCH_SPECS, ids=lambda s: s.describe())
+@pytest.mark.parametrize("precision", [None, "ieee", "tf32"])
+def test_launches_match_compiled_signatures(monkeypatch, spec, precision):
+    """The host code (run on CPU tensors with ct.launch intercepted) passes every kernel the
+    dtypes, ranks, scalars and constants of the signature the dispatcher's config describes,
+    over a grid that covers every output tile exactly once."""
+    launches = []
+
+    def fake_launch(stream, grid, kernel, args):
+        launches.append((grid, kernel, args))
+
+    for module in (chunk_cumsum, fwd_pass_state, compute_out):
+        monkeypatch.setattr(module.ct, "launch", fake_launch)
+    monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    problem = build_problem(spec)
+    key = ssd.ProblemKey.from_problem(problem, varlen=problem.cu_seqlens is not None,
+                                      wide=False)
+    plan = ssd.make_plan(key, ssd.DEFAULT_STATE_DTYPE, precision)
+    ssd.run_stages(problem, precision=precision)
+    assert len(launches) == 4
+    for (grid, kernel, args), cfg in zip(launches, plan.configs()):
+        assert kernel is cfg.kernel, cfg.describe()
+        params = cfg.signature().parameters
+        assert len(args) == len(params), cfg.describe()
+        for i, (constraint, arg) in enumerate(zip(params, args)):
+            assert _constraint_matches(constraint, arg), f"{cfg.describe()}: argument {i}: {arg!r}"
+    b, L, H, P, N = problem.batch, problem.seqlen, problem.nheads, problem.headdim, problem.dstate
+    nchunks = math.ceil(L / problem.chunk_size)
+    nseq = 0 if problem.cu_seqlens is None else problem.nseq
+    grids = [g for g, _, _ in launches]
+    cs, st, sp, out = plan.configs()
+    assert grids[0] == (nchunks, b * math.ceil(H / cs.head_block))
+    assert grids[1] == ((nchunks + nseq) * b * H * math.ceil(P / st.p_block)
+                        * math.ceil(N / st.n_block),)
+    assert grids[2] == (b * H * math.ceil(P / sp.p_block) * math.ceil(N / sp.n_block),)
+    assert grids[3] == (b * nchunks * (out.chunk_size // out.row_block) * H
+                        * math.ceil(P / out.p_block),)
+
+
+def test_anchor_shapes_pick_compiled_variants():
+    """What the dispatcher picks for the anchor shapes the GPU report times (bf16, default
+    chunk size, precision and state dtype) is among the variants CI compiles."""
+    covered = {v.config for v in VARIANTS}
+    bf16 = torch.bfloat16
+    for batch, seqlen, nheads, headdim, dstate, ngroups in ANCHORS:
+        key = ssd.ProblemKey(batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim,
+                             dstate=dstate, ngroups=ngroups, chunk_size=ssd.DEFAULT_CHUNK_SIZE,
+                             x_dtype=bf16, b_dtype=bf16, c_dtype=bf16)
+        missing = set(ssd.make_plan(key).configs()) - covered
+        assert not missing, [c.describe() for c in missing]
