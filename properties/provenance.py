@@ -49,6 +49,17 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def _git_state() -> dict:
+    """The commit and whether tracked files differ from it. Where the tree has no git (the GPU
+    machine gets a copy without .git), MAMBA2_CUTILE_GIT_COMMIT names the commit the copy was
+    made from, and dirtiness is unknown (None), never guessed."""
+    commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        return {"git_commit": os.environ.get("MAMBA2_CUTILE_GIT_COMMIT"), "git_dirty": None}
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
+
+
 def device_label() -> str:
     """'h200'-style folder name of the GPU, or 'cpu' where there is none."""
     if not torch.cuda.is_available():
@@ -62,8 +73,7 @@ def collect(command: list[str] | None = None) -> dict:
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(command if command is not None else sys.argv),
-        "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        **_git_state(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda_tile": _version("cuda-tile") or _cutile_module_version(),

@@ -1,0 +1,98 @@
+"""Test options and Hypothesis profiles for the suite.
+
+``--impl NAME[,NAME...]`` picks the implementations the property tests run on (default
+``reference``; GPU runners pass ``cutile``): cutile, reference, reference-fp64, mamba_ssm or
+``package.module:function``. Tests taking the ``impl`` fixture run once per name; cutile and
+mamba_ssm instances carry the ``gpu`` mark.
+
+Hypothesis profiles (``--hypothesis-profile NAME``, else ``$MAMBA2_CUTILE_PROFILE``, else ``ci``):
+  ci       few examples, derandomized: CPU CI in minutes, the same examples on every run. It keeps
+           no example database, so a failure reaches disk only as a repro artifact (failures/).
+           Hypothesis loads a built-in profile called ``ci`` when $CI is set; ours is registered
+           under the same name afterwards, so it is the one used.
+  gpu      hundreds of examples per property, random, with the example database in .hypothesis/
+           (failures found once are replayed first next time).
+  nightly  thousands of examples, with target-guided search toward the largest error ratios.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+from properties import repro
+from properties.impls import ImplUnavailable, get_impl
+from properties.provenance import REPO_ROOT
+
+PROFILE_ENV = "MAMBA2_CUTILE_PROFILE"
+IMPL_ENV = "MAMBA2_CUTILE_IMPL"
+GPU_IMPLS = ("cutile", "mamba_ssm")
+
+_common = dict(deadline=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                      HealthCheck.function_scoped_fixture])
+_database = DirectoryBasedExampleDatabase(str(REPO_ROOT / ".hypothesis" / "examples"))
+# ci leaves out the target phase: with few examples, hill-climbing around one example would spend
+# most of them on near-copies; breadth is worth more there.
+settings.register_profile("ci", max_examples=200, derandomize=True, database=None,
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+                          **_common)
+settings.register_profile("gpu", max_examples=300, database=_database, **_common)
+settings.register_profile("nightly", max_examples=3000, database=_database,
+                          phases=list(Phase), **_common)
+# The plugin applies --hypothesis-profile after this; without it, the environment or ``ci``.
+settings.load_profile(os.environ.get(PROFILE_ENV) or "ci")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--impl", default=os.environ.get(IMPL_ENV, "reference"),
+                     help="implementation(s) under test, comma-separated: cutile, reference, "
+                          "reference-fp64, mamba_ssm or package.module:function "
+                          f"(default: ${IMPL_ENV} or reference)")
+
+
+def pytest_generate_tests(metafunc):
+    if "impl_name" in metafunc.fixturenames:
+        names = [n.strip() for n in metafunc.config.getoption("--impl").split(",") if n.strip()]
+        metafunc.parametrize("impl_name", [
+            pytest.param(n, id=n, marks=[pytest.mark.gpu] if n in GPU_IMPLS else [])
+            for n in names])
+
+
+@pytest.fixture
+def impl(impl_name):
+    """The implementation under test. cutile unavailable on a machine with a CUDA device is a
+    failure (a broken cuTile must not pass as skipped); anything unavailable elsewhere skips."""
+    try:
+        return get_impl(impl_name)
+    except ImplUnavailable as exc:
+        if impl_name == "cutile" and torch.cuda.is_available():
+            pytest.fail(f"cutile unavailable on a machine with a CUDA device: {exc}")
+        pytest.skip(str(exc))
+
+
+def pytest_runtest_setup(item):
+    repro.take_written()   # artifacts belong to the test that writes them
+
+
+_BLOB = re.compile(r"@reproduce_failure\([^)]*\)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Attach Hypothesis' reproduce_failure blob to the artifacts the failing test wrote."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call":
+        return
+    written = repro.take_written()
+    if report.failed and written:
+        found = _BLOB.search(str(report.longrepr))
+        for path in written:
+            if found:
+                repro.attach_hypothesis_blob(path, found.group(0))
+            report.sections.append(("repro artifact", f"{path}\nreplay: mamba2-cutile repro {path}"))

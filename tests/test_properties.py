@@ -1,0 +1,459 @@
+"""Property tests of the implementation(s) under test (``--impl``, default the fp32 reference).
+
+Accuracy: every stage against float64 by the accuracy rule of ``properties.tolerances`` (k x the
+fp32 reference's error + floor); where the implementation computes in a known precision (the
+references) also against the a-priori rounding bound, which is what keeps the check from being
+vacuous when the implementation under test is the reference itself. Metamorphic relations, whose
+exact answers agree in real arithmetic: chunk-size invariance, split == unsplit, packed == one by
+one, G-broadcast == repeated B/C, additivity and homogeneity in x, causality (bitwise) and zero
+input == pure decay (a closed form). Also: the shared stage layouts, finiteness wherever the exact
+answer is finite, and mpmath spot checks of the float64 tier (outside the per-example loop).
+
+Every failing example saves a repro artifact (``properties.repro``) before it raises; Hypothesis
+steers toward large error ratios with ``target``, one label per rule and stage.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import assume, event, given, settings, target
+from hypothesis import strategies as st
+
+from kernels.contract import validate
+from oracles.common import prepare
+from properties import check, repro, tolerances
+from properties.impls import get_impl
+from properties.problems import ProblemSpec, build_problem
+from properties.regimes import REGIMES
+from properties.strategies import CPU_CHUNK_SIZES, scenarios
+
+REFERENCE = get_impl("reference")
+REGRESSIONS = json.loads((Path(__file__).parent / "regressions.json").read_text())
+# Regimes whose magnitudes sit at a dtype's range limits: scaling x by 2^k, or adding parts, could
+# cross them.
+RANGE_EDGE_REGIMES = {"fp16_overflow", "fp16_subnormal", "fp32_subnormal", "tiny_magnitude",
+                      "large_magnitude"}
+EXTREME_REGIMES = ("strong_decay", "softplus_edge", "fp16_overflow", "fp16_subnormal",
+                   "fp32_subnormal", "large_magnitude", "tiny_magnitude", "large_initial_state",
+                   "dt_limit_bounds")
+
+
+def build(impl, spec: ProblemSpec):
+    """The problem on the implementation's device; the draw's coverage goes to Hypothesis'
+    statistics (--hypothesis-show-statistics)."""
+    for what in (f"regime {spec.regime}", f"x {spec.x_dtype}",
+                 f"chunks {-(-spec.seqlen // spec.chunk_size)}, last {spec.seqlen % spec.chunk_size or 'full'}",
+                 "packed" if spec.cu_seqlens else "unpacked"):
+        event(what)
+    problem = build_problem(spec, impl.device or "cpu")
+    assume(impl.why_unsupported(problem) is None)
+    return problem
+
+
+def accuracy_verdicts(impl, problem, result, exact) -> tuple[dict, list]:
+    """The stage errors and every verdict that applies: the k-rule against the fp32 reference
+    (not for the reference itself: it would compare it with itself) and the a-priori bound for
+    implementations that compute in a known precision."""
+    errors = check.stage_errors(problem, result, exact)
+    verdicts = []
+    record = {"impl": errors}
+    if impl.name != REFERENCE.name:
+        baseline = check.stage_errors(problem, REFERENCE(problem), exact)
+        record["baseline"] = baseline
+        verdicts += [("k_rule", v) for v in check.judge(problem, errors, baseline, result)]
+    if impl.compute_dtype is not None:
+        verdicts += [("apriori", v)
+                     for v in check.apriori_verdicts(problem, result, exact, impl.compute_dtype)]
+    return record, verdicts
+
+
+def assert_accurate(impl, problem, result, exact, rec, steer: bool = True) -> None:
+    """steer: report error / allowed to Hypothesis' targeting (only inside @given)."""
+    errors, verdicts = accuracy_verdicts(impl, problem, result, exact)
+    rec.errors.update(errors)
+    for rule, v in verdicts:
+        if steer and math.isfinite(v.error):
+            target(v.error / v.allowed, label=f"{rule}:{v.stage}")
+    bad = [f"{rule}: {v.describe()}" for rule, v in verdicts if not v.ok]
+    first = check.first_failing([v for _, v in verdicts])
+    assert not bad, (f"{impl.name} breaks the accuracy rule; first stage: "
+                     f"{first.stage if first else '-'}\n  " + "\n  ".join(bad))
+
+
+def artifact(impl, name, problem, spec, **options):
+    return repro.failure_artifact(kind="property", name=f"{name}[{impl.name}]", problem=problem,
+                                  impl=impl.name, spec=spec, options=options)
+
+
+# ---- accuracy --------------------------------------------------------------------------------
+
+@given(data=st.data())
+def test_accuracy_against_float64(impl, data):
+    spec = data.draw(scenarios(impl), label="spec")
+    problem = build(impl, spec)
+    with artifact(impl, "accuracy", problem, spec) as rec:
+        assert_accurate(impl, problem, impl(problem), check.exact_stages(problem), rec)
+
+
+@pytest.mark.parametrize("case", REGRESSIONS, ids=[c["name"] for c in REGRESSIONS])
+def test_regressions(impl, case):
+    """Pinned cases (tests/regressions.json): each once found a bug or sits on an edge."""
+    spec = ProblemSpec.from_dict(case["recipe"])
+    problem = build_problem(spec, impl.device or "cpu")
+    reason = impl.why_unsupported(problem)
+    if reason:
+        pytest.skip(reason)
+    with artifact(impl, f"regression-{case['name']}", problem, spec) as rec:
+        assert_accurate(impl, problem, impl(problem), check.exact_stages(problem), rec, steer=False)
+
+
+@given(data=st.data())
+def test_finite_wherever_the_exact_answer_is_finite(impl, data):
+    """Extreme regimes: no NaN/Inf in any stage where the exact value is finite in the stage's
+    dtype; where the exact output overflows it, +-inf or a finite value within the accuracy rule's
+    allowance of +-max, of the right sign, never NaN."""
+    spec = data.draw(scenarios(impl, regimes=EXTREME_REGIMES), label="spec")
+    problem = build(impl, spec)
+    with artifact(impl, "finite", problem, spec) as rec:
+        result = impl(problem)
+        exact = check.exact_stages(problem)
+        rec.errors["impl"] = check.stage_errors(problem, result, exact)
+        nonfinite = {s: m["nonfinite"] for s, m in rec.errors["impl"].items() if m["nonfinite"]}
+        assert not nonfinite, f"NaN/Inf where the exact value is finite: {nonfinite}"
+        fi = torch.finfo(problem.x.dtype)
+        e = exact["out"]
+        over = torch.isfinite(e) & (e.abs() > fi.max)
+        got = result.out.to(device=e.device, dtype=torch.float64)[over]
+        base = check.stage_errors(problem, REFERENCE(problem), exact)["out"]
+        slack = tolerances.tolerance("out", problem.x.dtype).allowed(
+            base["max_abs"], tolerances.unit_roundoff(problem.x.dtype) * base["exact_absmax"])
+        wrong = (torch.isnan(got) | (torch.sign(got) != torch.sign(e[over]))
+                 | (got.abs() < fi.max - slack))
+        assert not bool(wrong.any()), (f"{int(wrong.sum())} of {int(over.sum())} overflowing "
+                                       "outputs are not +-inf/max of the exact's sign")
+
+
+def _flat_positions(stage: torch.Tensor) -> torch.Tensor:
+    """(b, H, c, Q) -> (b, H, c * Q)."""
+    return stage.reshape(stage.shape[0], stage.shape[1], -1)
+
+
+@given(data=st.data())
+def test_stages_follow_the_shared_layouts(impl, data):
+    """Exact structural facts of the shared stage layouts: shapes and dtypes, dt 0 and the cumsum
+    flat past seqlen, chunk 0's state the row's starting state, bit for bit."""
+    if not impl.exposes_stages:
+        pytest.skip(f"{impl.name} does not expose its stages")
+    spec = data.draw(scenarios(impl), label="spec")
+    problem = build(impl, spec)
+    with artifact(impl, "stage-layouts", problem, spec):
+        result = impl(problem)
+        b, L, H, P, N = (problem.batch, problem.seqlen, problem.nheads, problem.headdim,
+                         problem.dstate)
+        c, Q = problem.nchunks, problem.chunk_size
+        dt, cumsum = result.stages["dt"], result.stages["log2_decay_cumsum"]
+        states = result.stages["chunk_states"]
+        assert dt.shape == cumsum.shape == (b, H, c, Q) and dt.dtype == cumsum.dtype == torch.float32
+        assert states.shape == (b, c, H, P, N)
+        assert result.out.shape == problem.x.shape and result.out.dtype == problem.x.dtype
+        assert result.final_states.shape == (b, H, P, N)
+        assert result.final_states.dtype == torch.float32
+        dt_flat, cumsum_flat = _flat_positions(dt), _flat_positions(cumsum)
+        assert bool((dt_flat[..., L:] == 0).all()), "dt is not 0 past seqlen"
+        assert torch.equal(cumsum_flat[..., L:],
+                           cumsum_flat[..., L - 1:L].expand_as(cumsum_flat[..., L:])), \
+            "log2_decay_cumsum is not flat past seqlen"
+        assert bool((cumsum <= 0).all()), "a log2 decay cumsum is positive (A < 0, dt >= 0)"
+        inp = prepare(problem, dtype=torch.float32)
+        for row in range(b):
+            start = inp.start_state(row, 0)
+            want = torch.zeros_like(states[row, 0]) if start is None else start.to(states.dtype)
+            assert torch.equal(states[row, 0], want), f"chunk 0 of row {row}: not its start state"
+
+
+@settings(max_examples=4)
+@given(data=st.data())
+def test_mpmath_spot_checks_the_float64_tier(data):
+    """mpmath (tier 1) on two sampled slices against the float64 sequential loop (tier 2), held to
+    the float64 a-priori bound (seqlen + dstate + few) u64 sum|terms|: the tier every accuracy test
+    trusts is itself checked, outside the per-example loop."""
+    from oracles.mpmath_recurrence import mpmath_ssd, sample_slices
+    from oracles.sequential import sequential_ssd
+    spec = data.draw(scenarios(None, chunk_sizes=(4, 8), max_chunks=4), label="spec")
+    problem = build_problem(spec)
+    mp = mpmath_ssd(problem, sample_slices(problem, 2, seed=spec.seed), dps=30)
+    truth = mp.float64()
+    got = mp.pick(sequential_ssd(problem))
+    magnitude = mp.pick(sequential_ssd(check.magnitude_problem(problem)))
+    if problem.z is not None:
+        z = torch.stack([problem.z[b, :, h, p] for b, h, p in mp.slices]).double()
+        magnitude["out"] = magnitude["out"] * (z * torch.sigmoid(z)).abs()
+    gamma = problem.seqlen + problem.dstate + tolerances.APRIORI_FIXED_TERMS
+    u64 = tolerances.unit_roundoff(torch.float64)
+    for key in got:
+        allowed = gamma * u64 * (magnitude[key] + truth[key].abs()) + torch.finfo(torch.float64).tiny
+        excess = (got[key] - truth[key]).abs() - allowed
+        assert not bool((excess > 0).any()), \
+            f"float64 sequential {key} off mpmath by more than its bound at {mp.slices}"
+
+
+# ---- metamorphic relations -------------------------------------------------------------------
+
+def _related(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
+             scale: float = 0.0) -> tuple[float, float]:
+    """(max |a - b|, allowed): non-finite entries must match exactly (inf == inf; a NaN never
+    matches); finite ones within relation_tolerance of the largest of |a|, |b| and ``scale``."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    if bool((~finite & (a != b)).any()) or bool(torch.isnan(a).any() | torch.isnan(b).any()):
+        return math.inf, 0.0
+    diff = (a - b)[finite].abs()
+    scale = max([scale] + [float(t[finite].abs().max()) for t in (a, b) if bool(finite.any())])
+    return (float(diff.max()) if diff.numel() else 0.0), tolerances.relation_tolerance(dtype, scale)
+
+
+def assert_related(pairs: dict, rec, relation: str) -> None:
+    """pairs: name -> (a, b, dtype[, scale]). Records and targets difference / allowed; fails
+    past allowed."""
+    bad = []
+    for name, (a, b, dtype, *scale) in pairs.items():
+        diff, allowed = _related(a, b, dtype, *scale)
+        rec.errors[name] = {"max_abs_difference": diff, "allowed": allowed}
+        if math.isfinite(diff):
+            target(diff / allowed, label=f"{relation}:{name}")
+        if not diff <= allowed:
+            bad.append(f"{name}: max |difference| {diff:.3e} > allowed {allowed:.3e}")
+    assert not bad, f"{relation} violated:\n  " + "\n  ".join(bad)
+
+
+def sliced(problem, start: int, stop: int, initial_states=None):
+    """Positions [start, stop) of an unpacked problem as a problem of its own."""
+    cut = lambda t: None if t is None else t[:, start:stop]  # noqa: E731
+    return validate(x=cut(problem.x), dt=cut(problem.dt), A=problem.A, B=cut(problem.B),
+                    C=cut(problem.C), chunk_size=problem.chunk_size, D=problem.D, z=cut(problem.z),
+                    dt_bias=problem.dt_bias, initial_states=initial_states,
+                    dt_softplus=problem.dt_softplus, dt_limit=problem.dt_limit,
+                    return_final_states=True)
+
+
+@given(data=st.data())
+def test_chunk_size_invariance(impl, data):
+    sizes = impl.chunk_sizes or CPU_CHUNK_SIZES
+    if len(sizes) < 2:
+        pytest.skip(f"{impl.name} takes one chunk size only")
+    spec = data.draw(scenarios(impl), label="spec")
+    other = data.draw(st.sampled_from([q for q in sizes if q != spec.chunk_size]), label="Q2")
+    problem = build(impl, spec)
+    second = build(impl, replace(spec, chunk_size=other))
+    with artifact(impl, "chunk-size-invariance", problem, spec, other_chunk_size=other) as rec:
+        a, b = impl(problem), impl(second)
+        pairs = {"out": (a.out, b.out, problem.x.dtype),
+                 "final_states": (a.final_states, b.final_states, torch.float32)}
+        if a.varlen_states is not None:
+            pairs["varlen_states"] = (a.varlen_states, b.varlen_states, torch.float32)
+        assert_related(pairs, rec, "chunk-size invariance")
+
+
+@given(data=st.data())
+def test_split_with_final_state_as_initial_state_equals_unsplit(impl, data):
+    if "initial_states" in impl.unsupported:
+        pytest.skip(f"{impl.name}: {impl.unsupported['initial_states']}")
+    spec = data.draw(scenarios(impl, packed=False), label="spec")
+    assume(spec.seqlen >= 2)
+    t = data.draw(st.integers(1, spec.seqlen - 1), label="split")
+    problem = build(impl, spec)
+    with artifact(impl, "split", problem, spec, split=t) as rec:
+        whole = impl(problem)
+        head = impl(sliced(problem, 0, t, problem.initial_states))
+        tail = impl(sliced(problem, t, problem.seqlen, head.final_states))
+        assert_related({"out": (torch.cat([head.out, tail.out], dim=1), whole.out, problem.x.dtype),
+                        "final_states": (tail.final_states, whole.final_states, torch.float32)},
+                       rec, "split == unsplit")
+
+
+@given(data=st.data())
+def test_packed_batch_equals_sequences_one_by_one(impl, data):
+    if "packed" in impl.unsupported:
+        pytest.skip(f"{impl.name}: {impl.unsupported['packed']}")
+    spec = data.draw(scenarios(impl, packed=True), label="spec")
+    problem = build(impl, spec)
+    with artifact(impl, "packed", problem, spec) as rec:
+        packed = impl(problem)
+        cu = list(spec.cu_seqlens)
+        outs, finals = [], []
+        for i, (s, e) in enumerate(zip(cu, cu[1:])):
+            init = problem.initial_states
+            if init is not None:
+                init = init[i:i + 1] if spec.per_sequence_initial_states else (init if i == 0 else None)
+            alone = impl(sliced(problem, s, e, init))
+            outs.append(alone.out)
+            finals.append(alone.final_states)
+        pairs = {"out": (packed.out, torch.cat(outs, dim=1), problem.x.dtype),
+                 "final_states": (packed.final_states, finals[-1], torch.float32)}
+        if packed.varlen_states is not None:
+            pairs["varlen_states"] = (packed.varlen_states, torch.cat(finals), torch.float32)
+        assert_related(pairs, rec, "packed == one by one")
+
+
+@given(data=st.data())
+def test_causality(impl, data):
+    """Changing x, dt, B, C, z at positions >= t changes no output before t and no stage value of
+    an earlier position, bit for bit: every masked term is an exact 0."""
+    spec = data.draw(scenarios(impl), label="spec")
+    assume(spec.seqlen >= 2)
+    t = data.draw(st.integers(1, spec.seqlen - 1), label="t")
+    other_seed = data.draw(st.integers(0, 2**31 - 1), label="other_seed")
+    problem = build(impl, spec)
+    donor = build_problem(replace(spec, seed=other_seed), problem.device)
+    splice = lambda a, b: None if a is None else torch.cat([a[:, :t], b[:, t:]], dim=1)  # noqa: E731
+    changed = problem.with_tensors(**{k: splice(getattr(problem, k), getattr(donor, k))
+                                      for k in ("x", "dt", "B", "C", "z")})
+    with artifact(impl, "causality", problem, spec, t=t, other_seed=other_seed) as rec:
+        a, b = impl(problem), impl(changed)
+        rec.errors["out_before_t_max_abs_difference"] = float(
+            (a.out[:, :t].double() - b.out[:, :t].double()).abs().max())
+        assert torch.equal(a.out[:, :t], b.out[:, :t]), "outputs before t depend on later inputs"
+        for name in ("dt", "log2_decay_cumsum"):
+            if name in a.stages:
+                assert torch.equal(_flat_positions(a.stages[name])[..., :t],
+                                   _flat_positions(b.stages[name])[..., :t]), \
+                    f"{name} before t depends on later inputs"
+        if "chunk_states" in a.stages:
+            settled = t // problem.chunk_size + 1          # chunks c with c * Q <= t
+            assert torch.equal(a.stages["chunk_states"][:, :settled],
+                               b.stages["chunk_states"][:, :settled]), \
+                "a chunk state entering at or before t depends on later inputs"
+
+
+def _scaled_exactly(t: torch.Tensor, k: int):
+    """t * 2^k when that is exact in t's dtype (no overflow, no loss to subnormals), else None."""
+    if t is None:
+        return None
+    wanted = t.double() * 2.0 ** k          # exact in float64
+    s = wanted.to(t.dtype)
+    return s if torch.equal(s.double(), wanted) else None
+
+
+@given(data=st.data())
+def test_homogeneity_in_x(impl, data):
+    """out(2^k x, 2^k h0) == 2^k out(x, h0) (no z): scaling by a power of two commutes with every
+    rounding, so only results in the subnormal range (or flushed to zero) may differ: by at most
+    an fp32 subnormal per term, and one subnormal spacing of the output dtype."""
+    regimes = sorted(set(REGIMES) - RANGE_EDGE_REGIMES)
+    spec = data.draw(scenarios(impl, regimes=regimes, z=False), label="spec")
+    k = data.draw(st.sampled_from((-2, -1, 1, 2)), label="k")
+    problem = build(impl, spec)
+    x2, h2 = _scaled_exactly(problem.x, k), _scaled_exactly(problem.initial_states, k)
+    assume(x2 is not None and (problem.initial_states is None or h2 is not None))
+    scaled = problem.with_tensors(x=x2, initial_states=h2)
+    with artifact(impl, "homogeneity", problem, spec, k=k) as rec:
+        a, b = impl(problem), impl(scaled)
+        terms = problem.chunk_size + problem.dstate + tolerances.APRIORI_FIXED_TERMS
+        big = max(1.0, float(problem.C.abs().max()), float((problem.D.abs().max()
+                                                             if problem.D is not None else 0)))
+        subnormal_slack = terms * torch.finfo(torch.float32).tiny * 2.0 ** abs(k) * big
+        for name, u, v in (("out", a.out, b.out), ("final_states", a.final_states, b.final_states)):
+            # A result rounded into its dtype's subnormal range rounds at a fixed spacing, which
+            # scaling does not commute with: one spacing (of the larger side) more.
+            fi = torch.finfo(u.dtype)
+            allowed = subnormal_slack + fi.tiny * fi.eps * max(1.0, 2.0 ** k)
+            diff = float((u.double() * 2.0 ** k - v.double()).abs().max())
+            rec.errors[name] = {"max_abs_difference": diff, "allowed": allowed}
+            assert diff <= allowed, f"{name}: out(2^{k} x) != 2^{k} out(x): {diff:.3e} > {allowed:.3e}"
+
+
+@given(data=st.data())
+def test_additivity_in_x(impl, data):
+    """out(x, h0) == out(m x, h0) + out((1 - m) x, 0) for a 0/1 mask m (no z): the parts add to x
+    exactly, so only rounding separates the two sides (away from the dtype's range limits, where
+    a sum of finite parts may overflow: test_finite_... covers those)."""
+    regimes = sorted(set(REGIMES) - RANGE_EDGE_REGIMES)
+    spec = data.draw(scenarios(impl, regimes=regimes, z=False), label="spec")
+    mask_seed = data.draw(st.integers(0, 2**31 - 1), label="mask_seed")
+    problem = build(impl, spec)
+    gen = torch.Generator().manual_seed(mask_seed)
+    mask = (torch.rand(problem.x.shape, generator=gen) < 0.5).to(problem.device)
+    zeros = lambda t: None if t is None else torch.zeros_like(t)  # noqa: E731
+    part1 = problem.with_tensors(x=torch.where(mask, problem.x, 0))
+    part2 = problem.with_tensors(x=torch.where(mask, 0, problem.x),
+                                 initial_states=zeros(problem.initial_states))
+    with artifact(impl, "additivity", problem, spec, mask_seed=mask_seed) as rec:
+        whole, a, b = impl(problem), impl(part1), impl(part2)
+        # The parts may be larger than the whole (cancellation): scale by the largest part too.
+        largest = lambda *ts: max(float(t.double().abs().max()) for t in ts)  # noqa: E731
+        assert_related({
+            "out": (whole.out, a.out.double() + b.out.double(), problem.x.dtype,
+                    largest(a.out, b.out)),
+            "final_states": (whole.final_states, a.final_states.double() + b.final_states.double(),
+                             torch.float32, largest(a.final_states, b.final_states))},
+            rec, "additivity")
+
+
+GROUPINGS = ((1, 1), (2, 1), (4, 1), (4, 2), (6, 2), (6, 3), (8, 2), (8, 4))
+
+
+@given(data=st.data())
+def test_group_broadcast_equals_repeated_B_and_C(impl, data):
+    """G < H groups shared by H/G heads each == B and C repeated to one group per head."""
+    spec = data.draw(scenarios(impl), label="spec")
+    nheads, ngroups = data.draw(st.sampled_from(GROUPINGS[1:]), label="(H, G)")
+    spec = replace(spec, nheads=nheads, ngroups=ngroups)
+    problem = build(impl, spec)
+    rep = nheads // ngroups
+    repeated = validate(**{**problem.call_kwargs(), "B": problem.B.repeat_interleave(rep, dim=2),
+                           "C": problem.C.repeat_interleave(rep, dim=2)})
+    with artifact(impl, "group-broadcast", problem, spec) as rec:
+        a, b = impl(problem), impl(repeated)
+        assert_related({"out": (a.out, b.out, problem.x.dtype),
+                        "final_states": (a.final_states, b.final_states, torch.float32)},
+                       rec, "group broadcast == repeated")
+
+
+def pure_decay_exact(problem) -> dict:
+    """x = 0: h_t = exp(sum_{s<=t} dt_s A) h0, out_t = (C_t . h_t) silu(z_t), in closed form
+    (float64, from the definition; no oracle involved)."""
+    inp = prepare(problem, dtype=torch.float64)
+    rep = inp.heads_per_group
+    log_decay = (inp.dt * inp.A).cumsum(dim=1)                           # (b, L, H)
+    h0 = inp.initial_states                                              # (b, H, P, N)
+    C = inp.C.repeat_interleave(rep, dim=2)                              # (b, L, H, N)
+    out = torch.einsum("blh,bhpn,blhn->blhp", torch.exp(log_decay), h0, C)
+    if inp.z is not None:
+        out = out * inp.z * torch.sigmoid(inp.z)
+    entering = torch.cat([torch.zeros_like(log_decay[:, :1]), log_decay], dim=1)
+    at = entering[:, check.chunk_boundaries(problem)]                   # (b, c, H)
+    exact = {"out": out, "final_states": torch.exp(log_decay[:, -1])[..., None, None] * h0,
+             "chunk_states": torch.exp(at)[..., None, None] * h0[:, None]}
+    exact.update(check.exact_cumsum_stages(problem))
+    return exact
+
+
+@given(data=st.data())
+def test_zero_input_is_pure_decay_of_the_initial_state(impl, data):
+    if "initial_states" in impl.unsupported:
+        pytest.skip(f"{impl.name}: {impl.unsupported['initial_states']}")
+    spec = data.draw(scenarios(impl, packed=False, initial_states=True), label="spec")
+    problem = build(impl, spec)
+    problem = problem.with_tensors(x=torch.zeros_like(problem.x))
+    with artifact(impl, "pure-decay", problem, spec, x="zeros") as rec:
+        assert_accurate(impl, problem, impl(problem), pure_decay_exact(problem), rec)
+
+
+def test_regressions_file_is_well_formed():
+    names = [c["name"] for c in REGRESSIONS]
+    assert len(names) == len(set(names)), "duplicate regression names"
+    for case in REGRESSIONS:
+        assert case.get("why"), f"{case['name']}: say why it is pinned"
+        build_problem(ProblemSpec.from_dict(case["recipe"]))      # a valid recipe
+
+
+def test_the_ci_profile_is_ours_even_where_hypothesis_loads_its_own():
+    """Hypothesis registers a built-in ``ci`` profile (loaded when $CI is set); conftest
+    re-registers the name, so CI runs derandomized, with no database, with the blob printed."""
+    ci = settings.get_profile("ci")
+    assert ci.derandomize and ci.database is None and ci.print_blob and ci.deadline is None
