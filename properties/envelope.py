@@ -7,11 +7,10 @@ stated floor, normwise relative, ulps of the stage's output dtype, rounding-floo
 same numbers for the same-precision reference (the chunked reference computing in fp32) and the
 ratio implementation / reference.
 
-Oracles: ``out`` and ``final_states`` against the float64 sequential loop; the intermediates
-``log2_decay_cumsum`` and ``chunk_states`` against the float64 chunked reference, which is first
-required to agree with the sequential loop (its chunk states with the sequential states at chunk
-boundaries, its out and final states) and its cumsum with the cumsum's float64 definition, so no
-stage envelope rests on an unchecked oracle.
+Oracles: every stage against its exact value from ``properties.check.exact_stages`` (the float64
+sequential loop for out, final states and the states at chunk boundaries; the cumsum from its
+float64 definition), each first required to agree with an independent float64 evaluation, the
+chunked reference, so no stage envelope rests on an unchecked oracle.
 
 ``--check`` re-measures the cells of a recorded envelope and fails, naming the cells, where a
 measured error exceeds ``SLACK_FACTOR`` x recorded + a floor of ``SLACK_FLOOR_UNITS`` units of
@@ -32,10 +31,9 @@ from typing import Optional
 import torch
 
 from oracles.chunked_reference import chunked_ssd
-from oracles.common import chunk_boundaries, prepare
-from oracles.sequential import sequential_ssd
+from oracles.common import prepare
 from properties import provenance, repro, tolerances
-from properties.check import exact_cumsum_stages, result_stages, stage_dtype
+from properties.check import exact_stages, result_stages, stage_dtype
 from properties.impls import Impl, ImplUnavailable, get_impl
 from properties.metrics import error_metrics
 from properties.problems import DTYPE_NAMES, DTYPES, ProblemSpec, build_problem
@@ -178,30 +176,24 @@ def _normwise(actual: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def oracle_stages(problem) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """The exact value of every stage and the float64 oracles' mutual disagreement per stage.
+    """The exact value of every stage (``check.exact_stages``: the float64 sequential loop, the
+    cumsum from its definition) and, per stage, its normwise disagreement with the float64 chunked
+    reference, an independent evaluation recorded as evidence that the exact values are exact.
 
-    Raises OracleDisagreement where the float64 chunked reference, which supplies the
-    intermediates, strays from the sequential loop (or from the cumsum's definition).
+    Raises OracleDisagreement where the two float64 evaluations differ by more than
+    ORACLE_AGREEMENT_TOL.
     """
-    sequential = sequential_ssd(problem, positions=chunk_boundaries(problem))
-    chunked = chunked_ssd(problem, compute_dtype=torch.float64, state_dtype=torch.float64,
-                          out_dtype=torch.float64)
-    agreement = {
-        "out": _normwise(chunked.out, sequential.out),
-        "final_states": _normwise(chunked.final_states, sequential.final_states),
-        "chunk_states": _normwise(chunked.stages["chunk_states"], sequential.states),
-        "log2_decay_cumsum": _normwise(chunked.stages["log2_decay_cumsum"],
-                                       exact_cumsum_stages(problem)["log2_decay_cumsum"]),
-    }
+    exact = exact_stages(problem, tier="sequential")
+    chunked = result_stages(chunked_ssd(problem, compute_dtype=torch.float64,
+                                        state_dtype=torch.float64, out_dtype=torch.float64))
+    agreement = {stage: _normwise(chunked[stage], exact[stage])
+                 for stage in ("out", "final_states", "chunk_states", "log2_decay_cumsum")}
     bad = {s: v for s, v in agreement.items() if not v <= ORACLE_AGREEMENT_TOL}
     if bad:
         raise OracleDisagreement(
             f"float64 chunked reference vs sequential loop: normwise relative disagreement {bad} "
             f"exceeds {ORACLE_AGREEMENT_TOL:g}")
-    exact = {"out": sequential.out, "final_states": sequential.final_states,
-             "chunk_states": chunked.stages["chunk_states"],
-             "log2_decay_cumsum": chunked.stages["log2_decay_cumsum"]}
-    return exact, agreement
+    return {stage: exact[stage] for stage in agreement}, agreement
 
 
 def decay_strength(problem) -> float:
@@ -449,10 +441,9 @@ def envelope_document(records: list[dict], impl_names: list[str], reference: Opt
         "oracles": {
             "out": "float64 sequential loop (oracles.sequential)",
             "final_states": "float64 sequential loop (oracles.sequential)",
-            "chunk_states": "float64 chunked reference, checked against the sequential loop's "
-                            "states at chunk boundaries",
-            "log2_decay_cumsum": "float64 chunked reference, checked against the cumsum's "
-                                 "float64 definition",
+            "chunk_states": "float64 sequential loop's states at chunk boundaries",
+            "log2_decay_cumsum": "cumsum's float64 definition",
+            "cross_check": "float64 chunked reference (oracles.chunked_reference)",
             "agreement_tolerance_normwise": ORACLE_AGREEMENT_TOL,
         },
         "metrics": "properties.metrics.error_metrics: max over seeds of each metric",

@@ -81,7 +81,7 @@ def markdown(doc: dict, plots: list[str]) -> str:
         + (f", driver {prov['driver']}" if prov.get("driver") else "") + ".",
         "",
         "Oracles: " + "; ".join(f"`{s}` against the {doc['oracles'][s]}" for s in STAGE_TITLES)
-        + f". The two float64 oracles agree to a normwise relative "
+        + f"; each agrees with the {doc['oracles']['cross_check']} to a normwise relative "
         f"{doc['oracles']['agreement_tolerance_normwise']:g} or the run stops.",
         "",
         "Metrics (`properties.metrics.error_metrics`): max abs; max rel = max |err| / "
