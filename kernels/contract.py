@@ -29,6 +29,12 @@ GPU costs a full extra pass); a non-finite input then makes non-finite every out
 (the masked in-chunk matmuls may also spread it to earlier positions of its chunk, as 0 * NaN is
 NaN), never finite wrong numbers. ``check_finite=True`` scans them and raises ``SSDInputError`` naming the first
 non-finite argument.
+
+Decay: every exponent dt*A must be <= 0 (the kernels clamp exponents to <= 0 before exp2, so a
+growing state would come out silently wrong). A > 0 is always refused (nheads values are read).
+The step dt is >= 0 by construction with dt_softplus or a dt_limit; without either, a negative
+dt + dt_bias is outside the contract and is refused only by the opt-in scan ``check_finite=True``
+(it reads every dt).
 """
 from __future__ import annotations
 
@@ -272,6 +278,15 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
                         ("dt_bias", dt_bias), ("initial_states", initial_states)):
             if t is not None and not bool(torch.isfinite(t).all()):
                 raise _fail(name, "finite values (check_finite=True)", "NaN or Inf")
+        if not dt_softplus and (lo, hi) == (0.0, math.inf):
+            step = dt.float() if dt_bias is None else dt.float() + dt_bias.float()
+            if bool((step < 0).any()):
+                raise _fail("dt", "dt + dt_bias >= 0 without dt_softplus or dt_limit "
+                            "(check_finite=True)", f"a step of {float(step.min())}")
+
+    if bool((A > 0).any()):
+        head = int((A > 0).nonzero()[0, 0])
+        raise _fail("A", "values <= 0 (exp(dt*A) is a decay)", f"A[{head}] = {float(A[head])}")
 
     return SSDProblem(x=x, dt=dt, A=A, B=B, C=C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
                       initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,

@@ -9,12 +9,14 @@ from typing import Optional, Sequence
 import torch
 
 from kernels.contract import SSDProblem
-from oracles.common import SSDResult, finish_output, prepare, varlen_ends
+from oracles.common import SSDResult, check_positions, finish_output, prepare, varlen_ends
 
 
 def sequential_ssd(problem: SSDProblem, positions: Optional[Sequence[int]] = None,
                    dtype=torch.float64, device=None) -> SSDResult:
     """out (b, L, H, P), final_states (b, H, P, N), states after ``positions`` steps, varlen states."""
+    if positions is not None:
+        positions = check_positions(problem, positions)
     inp = prepare(problem, dtype=dtype, device=device)
     b, L, H, P = inp.x.shape
     N = inp.B.shape[3]

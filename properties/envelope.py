@@ -205,7 +205,8 @@ def decay_strength(problem) -> float:
 def _accuracy_rule_ratio(stage: str, dtype: torch.dtype, metrics: dict, reference: dict):
     """max_abs over what the project's accuracy rule allows (properties.tolerances); <= 1 holds."""
     try:
-        allowed = tolerances.tolerance(stage, dtype).allowed(reference["max_abs"])
+        allowed = tolerances.tolerance(stage, dtype).allowed(
+            reference["max_abs"], tolerances.unit_roundoff(dtype) * reference["exact_absmax"])
     except ValueError:   # no rule for this stage in this dtype
         return None
     return math.inf if metrics["nonfinite"] else metrics["max_abs"] / allowed

@@ -116,6 +116,8 @@ def _contract_result(problem: SSDProblem, returned) -> SSDResult:
                             f"with return_final_states=True, got {len(parts)} value(s)")
         result = SSDResult(out=parts[0], final_states=parts[1],
                            varlen_states=parts[2] if want == 3 else None)
+    if problem.cu_seqlens is not None and result.varlen_states is None:
+        raise TypeError("varlen_states: expected a tensor (cu_seqlens is given), got None")
     expected = {"out": problem.x.dtype, "final_states": torch.float32,
                 "varlen_states": torch.float32, "dt": torch.float32,
                 "log2_decay_cumsum": torch.float32}

@@ -89,7 +89,8 @@ def markdown(doc: dict, plots: list[str]) -> str:
         "ulps of the stage's output dtype at max(|exact|, floor); x rounding floor = ||err|| / "
         "||round(exact) - exact||, 1.0 being as good as the output dtype allows. "
         + (f"Reference = the same-precision `{reference}` (chunked reference computing in fp32); "
-           "ratio = implementation / reference; rule = max_abs / (k x reference max_abs + floor), "
+           "ratio = implementation / reference; rule = max_abs / (k x max(reference max_abs, u_out x "
+           "max|exact|) + floor), "
            "the project's accuracy rule (`properties.tolerances`), which holds where <= 1."
            if reference else ""),
         "",

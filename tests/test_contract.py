@@ -201,8 +201,12 @@ def test_check_finite_names_the_first_non_finite_argument(name, bad):
     tensor.view(-1)[-1] = bad
     check(refusal(D, check_finite=True, **{name: tensor}), name,
           "finite values (check_finite=True)", "NaN or Inf")
-    # Without check_finite the same call is accepted: non-finite values are not scanned.
-    validate(**{**D, name: tensor})
+    # Without check_finite the same call is accepted: non-finite values are not scanned (A's
+    # sign always is, and +inf is a growth).
+    if name == "A" and bad == math.inf:
+        check(refusal(D, A=tensor), "A", "values <= 0", "A[3] = inf")
+    else:
+        validate(**{**D, name: tensor})
 
 
 def test_check_finite_reports_arguments_in_order():
@@ -257,3 +261,22 @@ def test_pack_outputs_follows_mamba_ssm(final, varlen, expected):
     """mamba_chunk_scan_combined returns out alone, else a tuple (out[, final_states][, varlen])."""
     p = validate(**{**P, "return_final_states": final, "return_varlen_states": varlen})
     assert pack_outputs(p, "out", final_states="final", varlen_states="varlen") == expected
+
+
+def test_a_growing_decay_is_refused_naming_the_head():
+    A = D["A"].clone()
+    A[2] = 0.5
+    check(refusal(D, A=A), "A", "values <= 0 (exp(dt*A) is a decay)", "A[2] = 0.5")
+    # A = 0 (no decay) is inside the contract.
+    validate(**{**D, "A": torch.zeros_like(A)})
+
+
+def test_a_negative_step_without_softplus_or_limit_is_refused_by_the_scan_only():
+    plain = {**D, "dt_softplus": False, "dt_bias": None}
+    dt = plain["dt"].abs()
+    dt[1, 3, 2] = -0.25
+    check(refusal(plain, dt=dt, check_finite=True), "dt",
+          "dt + dt_bias >= 0 without dt_softplus or dt_limit", "a step of -0.25")
+    validate(**{**plain, "dt": dt})                         # not scanned by default
+    validate(**{**plain, "dt": dt, "dt_limit": (0.0, 1.0)}, check_finite=True)  # clamped
+    validate(**{**plain, "dt": dt, "dt_softplus": True}, check_finite=True)   # softplus > 0

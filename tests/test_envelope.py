@@ -136,6 +136,17 @@ def test_slack_is_factor_times_recorded_plus_units_of_the_output_dtype():
     assert envelope.compare(_cell(zero, "bf16"), rounding_level, "k", "k") == []
 
 
+def test_rule_column_is_the_rule_the_tests_enforce():
+    """The report's "rule (<= 1)" divides by check.judge's allowance, which never takes the
+    baseline below one rounding at the largest exact value: a result the tests pass reads <= 1."""
+    import torch
+    u = 2.0 ** -24
+    reference = {"max_abs": 0.0, "exact_absmax": 1.0, "nonfinite": 0}   # the reference is exact
+    impl = {"max_abs": 2 * u, "exact_absmax": 1.0, "nonfinite": 0}       # judge allows 4 u + tiny
+    ratio = envelope._accuracy_rule_ratio("out", torch.float32, impl, reference)
+    assert ratio == pytest.approx(2 * u / (4 * u + torch.finfo(torch.float32).tiny))
+
+
 @pytest.mark.slow
 def test_whole_quick_grid_measures_and_checks_itself(tmp_path, capsys):
     assert cli(["envelope", "--quick", "--impl", "reference", "--out", str(tmp_path)]) == 0

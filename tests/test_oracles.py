@@ -368,6 +368,10 @@ def test_bad_slices_and_positions_are_refused():
         mpmath_ssd(p, [(0, 0, 0)], positions=[21])
     with pytest.raises(ValueError, match=r"positions: .* got \[-1\]"):
         parallel_scan_ssd(p, positions=[-1])
+    # The sequential loop too: an out-of-range position must not come back as a zero state.
+    for bad in ([21], [-1]):
+        with pytest.raises(ValueError, match=r"positions: expected step counts in \[0, 20\]"):
+            sequential_ssd(p, positions=bad)
     exact = mpmath_ssd(p, [(0, 0, 0)], positions=[3])
     with pytest.raises(ValueError, match=r"result.positions: expected \[3\], got \[4\]"):
         exact.pick(sequential_ssd(p, positions=[4]))

@@ -457,3 +457,15 @@ def test_the_ci_profile_is_ours_even_where_hypothesis_loads_its_own():
     re-registers the name, so CI runs derandomized, with no database, with the blob printed."""
     ci = settings.get_profile("ci")
     assert ci.derandomize and ci.database is None and ci.print_blob and ci.deadline is None
+
+
+def test_a_result_missing_the_varlen_states_it_owes_is_refused():
+    """With cu_seqlens every implementation owes varlen_states; one that returns an SSDResult
+    without them must not pass with that stage silently left unjudged."""
+    from properties.impls import _contract_result
+    problem = build_problem(ProblemSpec(seqlen=20, cu_seqlens=(0, 7, 20),
+                                        return_varlen_states=True))
+    full = REFERENCE(problem)
+    with pytest.raises(TypeError, match="varlen_states"):
+        _contract_result(problem, replace(full, varlen_states=None))
+    assert _contract_result(problem, full) is full
