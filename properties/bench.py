@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -565,8 +566,8 @@ def speedups(record: dict) -> dict:
 
 
 def run(shapes: list[BenchShape], plan: TimingPlan, budget_s: Optional[float] = None,
-        log=print) -> dict:
-    """Measure every shape; the bench.json document."""
+        log=print, checkpoint=None) -> dict:
+    """Measure every shape; the bench.json document (``checkpoint(doc)`` after each shape)."""
     started = time.perf_counter()
     peers = {}
     for name, load in (("mamba_ssm", load_mamba_ssm), ("fla", load_fla)):
@@ -591,26 +592,44 @@ def run(shapes: list[BenchShape], plan: TimingPlan, budget_s: Optional[float] = 
                copy_probe=probe, nominal_gbps=NOMINAL_GBPS,
                peers={name: v[1] if isinstance(v, tuple) else str(v)
                       for name, v in peers.items()},
-               shapes=[], not_run=[])
-    for shape in shapes:
-        if budget_s is not None and time.perf_counter() - started > budget_s:
-            doc["not_run"].append(shape.label)
-            continue
-        record = bench_shape(shape, ctx)
-        doc["shapes"].append(record)
-        ours = record["rows"].get(OURS, {})
-        log(f"{shape.label}: ours {ours.get('ms', float('nan')):.3f} ms "
-            f"{' '.join(f'{k} x{v:.2f}' for k, v in record['speedup'].items())} "
-            f"({record['wall_s']:.1f} s)")
-    if doc["not_run"]:
-        log(f"time budget of {budget_s:.0f} s spent: not run: {', '.join(doc['not_run'])}")
+               shapes=[], not_run=[], failed_shapes=[])
+    measure_shapes(shapes, ctx, doc, budget_s, log, checkpoint)
     doc["wall_s"] = round(time.perf_counter() - started, 1)
     return doc
 
 
+def measure_shapes(shapes: list[BenchShape], ctx: RunContext, doc: dict,
+                   budget_s: Optional[float] = None, log=print, checkpoint=None) -> None:
+    """Measure each shape into ``doc``; ``checkpoint(doc)`` after each, so an interrupted run
+    keeps what it measured. A shape that fails as a whole (say, out of memory building its
+    inputs) is recorded in ``failed_shapes`` and the run goes on."""
+    started = time.perf_counter()
+    for shape in shapes:
+        if budget_s is not None and time.perf_counter() - started > budget_s:
+            doc["not_run"].append(shape.label)
+            continue
+        try:
+            record = bench_shape(shape, ctx)
+        except Exception as exc:  # noqa: BLE001 -- one shape must not lose the others
+            doc["failed_shapes"].append(dict(label=shape.label, error=f"{type(exc).__name__}: {exc}"))
+            log(f"{shape.label}: FAILED {type(exc).__name__}: {exc}")
+            if ctx.on_gpu:
+                torch.cuda.empty_cache()
+        else:
+            doc["shapes"].append(record)
+            ours = record["rows"].get(OURS, {})
+            log(f"{shape.label}: ours {ours.get('ms', float('nan')):.3f} ms "
+                f"{' '.join(f'{k} x{v:.2f}' for k, v in record['speedup'].items())} "
+                f"({record['wall_s']:.1f} s)")
+        if checkpoint is not None:
+            checkpoint(doc)
+    if doc["not_run"]:
+        log(f"time budget of {budget_s:.0f} s spent: not run: {', '.join(doc['not_run'])}")
+
+
 def our_failures(doc: dict) -> list[str]:
     """'shape: row: why' for every row of ours that failed (peers failing are only reported)."""
-    failed = []
+    failed = [f"{f['label']}: all rows: {f['error']}" for f in doc.get("failed_shapes", [])]
     for record in doc["shapes"]:
         for name, row in record["rows"].items():
             if name.startswith(OURS) and "failed" in row:
@@ -670,6 +689,8 @@ def format_table(doc: dict) -> str:
     if doc.get("not_run"):
         lines.append("")
         lines.append("not run (time budget): " + ", ".join(doc["not_run"]))
+    for failed in doc.get("failed_shapes", []):
+        lines.append(f"FAILED {failed['label']}: {failed['error']}")
     return "\n".join(lines)
 
 
@@ -739,10 +760,17 @@ def plot_scaling(doc: dict, path: Path) -> bool:
     return True
 
 
+def write_json(doc: dict, path: Path) -> Path:
+    """Write atomically: a reader (or a run killed mid-write) never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    os.replace(partial, path)
+    return path
+
+
 def write_outputs(doc: dict, out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "bench.json", out_dir / "bench.txt"]
-    written[0].write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    written = [write_json(doc, out_dir / "bench.json"), out_dir / "bench.txt"]
     written[1].write_text(format_table(doc) + "\n")
     if plot_scaling(doc, out_dir / "bench_scaling.png"):
         written.append(out_dir / "bench_scaling.png")
@@ -890,8 +918,10 @@ def _measure(args: argparse.Namespace) -> dict:
     else:
         chunk_size = args.chunk_size
     shapes = bench_shapes(args.shapes, chunk_size, quick=args.quick)
+    checkpoint = None if out_dir is None else \
+        (lambda partial: write_json(partial, Path(out_dir) / "bench.json"))
     doc = run(shapes, QUICK_TIMING if args.quick else FULL_TIMING, budget_s=args.budget_s,
-              log=lambda line: print(line, file=sys.stderr, flush=True))
+              log=lambda line: print(line, file=sys.stderr, flush=True), checkpoint=checkpoint)
     if out_dir is not None:
         for path in write_outputs(doc, Path(out_dir)):
             print(f"wrote {path}", file=sys.stderr)

@@ -542,3 +542,35 @@ def test_stage_rows_call_each_stage_as_ssd_forward_does(monkeypatch, D):
     assert [c[0] for c in calls] == list(bench.STAGES)
     for timed, reference in zip(calls, forward):
         assert _same(timed, reference), timed[0]
+
+
+def test_a_failing_shape_loses_neither_the_others_nor_the_saved_results(monkeypatch, tmp_path):
+    # One shape failing as a whole (here: its inputs cannot be built, as when the GPU runs out of
+    # memory) is recorded and the run goes on; after every shape the document reaches disk.
+    monkeypatch.setattr(bench, "our_contenders", _stand_in_ours)
+    real_build = bench.build_problem
+    big = bench.BenchShape(dataclasses.replace(SHAPE.spec, seqlen=SHAPE.spec.seqlen + 1),
+                           ("scaling",))
+
+    def build(spec, *args, **kwargs):
+        if spec == big.spec:
+            raise MemoryError("out of memory building the inputs")
+        return real_build(spec, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "build_problem", build)
+    ctx = bench.RunContext(timer=_WallClockTimer(), copy_gbps=100.0, device="cpu",
+                           peers={"mamba_ssm": bench.PeerUnavailable("absent"),
+                                  "fla": bench.PeerUnavailable("absent")})
+    doc = dict(_doc(), failed_shapes=[])
+    saved = []
+    path = tmp_path / "bench.json"
+    bench.measure_shapes([big, SHAPE], ctx, doc, log=lambda line: None,
+                         checkpoint=lambda d: saved.append(bench.write_json(d, path).read_text()))
+    assert [r["label"] for r in doc["shapes"]] == [SHAPE.label]
+    assert doc["failed_shapes"] == [dict(label=big.label,
+                                         error="MemoryError: out of memory building the inputs")]
+    assert len(saved) == 2 and json.loads(saved[0])["failed_shapes"][0]["label"] == big.label
+    assert json.loads(path.read_text())["shapes"][0]["label"] == SHAPE.label
+    assert bench.our_failures(doc) == [f"{big.label}: all rows: MemoryError: out of memory "
+                                       f"building the inputs"]
+    assert f"FAILED {big.label}" in bench.format_table(doc)
