@@ -17,10 +17,12 @@ class OracleBudgetError(RuntimeError):
 
 
 def check_positions(problem: SSDProblem, positions: Optional[Sequence[int]]) -> list[int]:
-    """``positions`` as ints, each a step count in [0, seqlen]; [] for None."""
+    """``positions`` as distinct ints, each a step count in [0, seqlen]; [] for None."""
     positions = [] if positions is None else [int(p) for p in positions]
     if any(not 0 <= p <= problem.seqlen for p in positions):
         raise ValueError(f"positions: expected step counts in [0, {problem.seqlen}], got {positions}")
+    if len(set(positions)) != len(positions):
+        raise ValueError(f"positions: expected distinct step counts, got {positions}")
     return positions
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.contract import validate
+from oracles.chunked_reference import chunked_ssd
 from oracles.common import OracleBudgetError, SSDResult
 from oracles.mpmath_recurrence import DEFAULT_DPS, mpmath_ssd, sample_slices
 from oracles.parallel_scan import MEMORY_FACTOR, parallel_scan_ssd, scan_bytes
@@ -372,6 +373,12 @@ def test_bad_slices_and_positions_are_refused():
     for bad in ([21], [-1]):
         with pytest.raises(ValueError, match=r"positions: expected step counts in \[0, 20\]"):
             sequential_ssd(p, positions=bad)
+    # Repeated positions would leave states slots unfilled or misaligned: every tier refuses them.
+    for tier in (sequential_ssd, parallel_scan_ssd, chunked_ssd):
+        with pytest.raises(ValueError, match=r"positions: expected distinct step counts"):
+            tier(p, positions=[5, 5])
+    with pytest.raises(ValueError, match=r"positions: expected distinct step counts"):
+        mpmath_ssd(p, [(0, 0, 0)], positions=[5, 5])
     exact = mpmath_ssd(p, [(0, 0, 0)], positions=[3])
     with pytest.raises(ValueError, match=r"result.positions: expected \[3\], got \[4\]"):
         exact.pick(sequential_ssd(p, positions=[4]))
