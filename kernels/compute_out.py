@@ -18,9 +18,10 @@ precision of ``kernels.tile_ops`` (tensor cores except in the ieee mode).
 
 A NaN or Inf in x, dt or B at position j also reaches the positions before j in its chunk (and
 other sequences packed in it): their masked weight 0 multiplies it inside the MMA.
-Measured on the H200 (chunk 128, bf16): 1.57 ms of 4.3 ms at (8, 4096, 64 heads). C_i B_j^T is
-recomputed by every head of a group and every P block; sharing it across a group's heads in one
-block is the first performance step.
+Measured on the H200 (bf16, chunk 256, tuned tiles): 1.60 ms at (8, 4096, 64 heads), 1.41 ms with
+'input' precision, so the TF32 rounding of the computed operands is not what bounds it. C_i B_j^T
+is recomputed by every head of a group and every P block; sharing it across a group's heads in one
+block is the next performance step.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ import cuda.tile as ct
 import torch
 
 from kernels.tile_ops import (MODE, array_constraint, exp2_nonpos, index_variants,
-                              kernel_signature, log2_decay_since, precise_mma, scalar_constraint)
+                              kernel_signature, log2_decay_since, precise_mma, scalar_constraint,
+                              with_occupancy)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -156,10 +158,11 @@ class ComputeOutConfig:
     has_seq: bool = False
     per_seq_start: bool = False
     wide: bool = False
+    occupancy: int | None = None
 
     @property
     def kernel(self):
-        return KERNELS[self.wide]
+        return with_occupancy(KERNELS[self.wide], self.occupancy)
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_pad,
@@ -181,7 +184,7 @@ class ComputeOutConfig:
                 f"states={self.state_dtype} Q={self.chunk_size} RB={self.row_block} "
                 f"PB={self.p_block} N={self.n_pad} {self.precision} "
                 f"D={self.has_d} z={self.has_z} seq={self.has_seq} "
-                f"per_seq_start={self.per_seq_start} int64={self.wide}")
+                f"per_seq_start={self.per_seq_start} int64={self.wide} occupancy={self.occupancy}")
 
 
 @dataclass

@@ -19,9 +19,10 @@ The increment is the (headdim x dstate) matmul x^T (w B) on tensor cores (precis
 ``state_passing_kernel`` then walks the chunks once per (row, head, P x N tile):
 h <- carry_weight * h + increment, a few FLOPs per element, so the sequential part is a stream
 through memory, not a chain of matmuls, with batch x heads x tiles blocks in flight (the tiles
-shrink until there are a few per SM). Measured on the H200 (chunk 128, bf16): 0.27 ms of 4.3 ms at
-(8, 4096, 64 heads), 1.6 ms of 9.2 ms at (1, 65536, 64 heads), where the 512-step walk is
-latency-bound: fusing it into the increment kernel (chained blocks) is the next step.
+shrink until there are a few per SM), each loading the next chunk's increment ahead of its update.
+Measured on the H200 (bf16, chunk 256, tuned tiles; reports/h200/tune.json): the stage takes
+0.90 ms at (8, 4096, 64 heads); with a plain TF32 chunk-state matmul instead of the 3-term split it
+took 0.68 ms (0.92 ms split): ~0.25 ms is the price of float32-grade states.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ import cuda.tile as ct
 import torch
 
 from kernels.tile_ops import (MODE, array_constraint, exp2_nonpos, index_variants,
-                              kernel_signature, log2_decay_since, precise_mma, scalar_constraint)
+                              kernel_signature, log2_decay_since, precise_mma, scalar_constraint,
+                              with_occupancy)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -126,7 +128,15 @@ def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, 
     if HAS_START:
         h = ct.load(start_states, (batch, head, p_block, n_block), shape=(1, 1, P_BLOCK, N_BLOCK),
                     padding_mode=ZERO).reshape((P_BLOCK, N_BLOCK)).astype(ct.float32)
+    # The walk is latency-bound: chunk c+1's weight and increment are loaded before chunk c's
+    # update, so their loads overlap the store and the update instead of following them.
+    w = ct.load(carry_weight, (batch, head, 0), shape=(1, 1, 1)).reshape((1, 1))
+    inc = ct.load(increment, (batch, 0, head, p_block, n_block), shape=tile).reshape((P_BLOCK, N_BLOCK))
     for chunk in range(nchunks):
+        following = ct.minimum(chunk + 1, nchunks - 1)
+        w_next = ct.load(carry_weight, (batch, head, following), shape=(1, 1, 1)).reshape((1, 1))
+        inc_next = ct.load(increment, (batch, following, head, p_block, n_block),
+                           shape=tile).reshape((P_BLOCK, N_BLOCK))
         ct.store(chunk_states, (batch, chunk, head, p_block, n_block),
                  h.reshape(tile).astype(chunk_states.dtype))
         if VARLEN:
@@ -139,10 +149,8 @@ def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, 
                               shape=tile).reshape((P_BLOCK, N_BLOCK))
                 ct.store(varlen_states, (k, head, p_block, n_block),
                          (w * h + inc).reshape((1, 1, P_BLOCK, N_BLOCK)))
-        w = ct.load(carry_weight, (batch, head, chunk), shape=(1, 1, 1)).reshape((1, 1))
-        inc = ct.load(increment, (batch, chunk, head, p_block, n_block), shape=tile,
-                      latency=8).reshape((P_BLOCK, N_BLOCK))
         h = w * h + inc
+        w, inc = w_next, inc_next
     ct.store(final_states, (batch, head, p_block, n_block), h.reshape((1, 1, P_BLOCK, N_BLOCK)))
 
 
@@ -170,10 +178,11 @@ class ChunkStateConfig:
     per_seq_start: bool = False
     varlen: bool = False
     wide: bool = False
+    occupancy: int | None = None
 
     @property
     def kernel(self):
-        return CHUNK_STATE_KERNELS[self.wide]
+        return with_occupancy(CHUNK_STATE_KERNELS[self.wide], self.occupancy)
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_block,
@@ -193,7 +202,8 @@ class ChunkStateConfig:
         return (f"chunk_state x={self.x_dtype} B={self.b_dtype} Q={self.chunk_size} "
                 f"RB={self.row_block} PB={self.p_block} NB={self.n_block} "
                 f"{self.precision} seq={self.has_seq} "
-                f"per_seq_start={self.per_seq_start} varlen={self.varlen} int64={self.wide}")
+                f"per_seq_start={self.per_seq_start} varlen={self.varlen} int64={self.wide} "
+                f"occupancy={self.occupancy}")
 
 
 @dataclass(frozen=True)
@@ -205,10 +215,11 @@ class StatePassingConfig:
     has_start: bool = False
     varlen: bool = False
     wide: bool = False
+    occupancy: int | None = None
 
     @property
     def kernel(self):
-        return STATE_PASSING_KERNELS[self.wide]
+        return with_occupancy(STATE_PASSING_KERNELS[self.wide], self.occupancy)
 
     def constants(self) -> tuple:
         return (self.p_block, self.n_block, self.has_start, self.varlen)
@@ -225,7 +236,7 @@ class StatePassingConfig:
     def describe(self) -> str:
         return (f"state_passing start={self.start_dtype} states={self.state_dtype} "
                 f"PB={self.p_block} NB={self.n_block} start={self.has_start} "
-                f"varlen={self.varlen} int64={self.wide}")
+                f"varlen={self.varlen} int64={self.wide} occupancy={self.occupancy}")
 
 
 @dataclass

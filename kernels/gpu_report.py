@@ -198,6 +198,20 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write(report: dict, out: str, start: float) -> None:
+    """Summarize, then replace gpu_report.json and .md, each atomically."""
+    failed = [r["case"] for r in report["cases"] if r.get("violations")]
+    report["summary"] = (f"{len(report['cases'])} cases ({report['grid']} grid), "
+                         f"{len(failed)} breaking the rule" + (f": {', '.join(failed)}" if failed else "")
+                         + f"; {time.perf_counter() - start:.0f} s.")
+    for name, text in (("gpu_report.json", json.dumps(report, indent=1, default=str)),
+                       ("gpu_report.md", markdown(report))):
+        path = os.path.join(out, name)
+        with open(path + ".part", "w") as f:
+            f.write(text)
+        os.replace(path + ".part", path)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m kernels.gpu_report", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -253,6 +267,7 @@ def main(argv=None) -> int:
             print(record["traceback"][-1500:], flush=True)
     report = dict(provenance=collect(), grid="full" if full else "quick", cases=records,
                   anchor_warmup_errors=warm)
+    _write(report, args.out, start)     # the checked cases survive a timeout in what follows
     if not args.no_int64:
         free, _ = torch.cuda.mem_get_info()
         need = int64_problem_bytes() * 1.5
@@ -267,16 +282,9 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     if not args.no_anchors:
         report["anchors"] = anchor_timings(args.sweep)
-    failed = [r["case"] for r in report["cases"] if r.get("violations")]
-    report["summary"] = (f"{len(report['cases'])} cases ({report['grid']} grid), "
-                         f"{len(failed)} breaking the rule" + (f": {', '.join(failed)}" if failed else "")
-                         + f"; {time.perf_counter() - start:.0f} s.")
-    with open(os.path.join(args.out, "gpu_report.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    with open(os.path.join(args.out, "gpu_report.md"), "w") as f:
-        f.write(markdown(report))
+    _write(report, args.out, start)
     print(report["summary"])
-    return 1 if failed else 0
+    return 1 if any(r.get("violations") for r in report["cases"]) else 0
 
 
 if __name__ == "__main__":

@@ -28,13 +28,22 @@ with a TF32 chunk-state matmul, before it moved to the 3-term split), but rounds
 every entering state to 2^-8: chunk_states' error grows from ~2e-7 to ~1.7e-3 normwise, bf16
 outputs' by ~20% (2.05e-3 vs ~1.7e-3), and float32 outputs would lose float32 grade entirely.
 
+Tiles and occupancy hints: from kernels/tuned.json where a call matches one of its keys (padded
+headdim and dstate, chunk size, x dtype, precision mode), else the heuristics in ``make_plan``. The
+table is written by ``python3 -m kernels.tune`` from H200 measurements (reports/h200/tune.json):
+for bf16, headdim 64, dstate 128, chunk 256 it took the two stages from 3.98 to 2.42 ms at
+(8, 4096, 64 heads) and from 2.12 to 1.34 ms at (4, 8192, 32 heads, 8 groups); occupancy 2 for
+the matmul kernels was the largest single gain. Other keys are untuned.
+
 Chunk size: 256 by default: on the H200 the anchor shapes ran 3-8% faster than at 128 and 15-30%
 faster than at 64 (bf16, TF32 mode, same TF32 chunk-state configuration; gpu_report --sweep).
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -61,6 +70,7 @@ MIN_TILE = 16
 ROW_BLOCK = 64
 P_BLOCK = 64
 STATE_N_BLOCK = 64
+TUNED_TABLE = os.path.join(os.path.dirname(__file__), "tuned.json")
 
 
 @dataclass(frozen=True)
@@ -154,9 +164,31 @@ def state_precision(mode: str, x_dtype: torch.dtype) -> str:
     return "3xtf32" if x_dtype != torch.float32 and mode in ("tf32", "input") else mode
 
 
-def _state_passing_tiles(key: ProblemKey, p_pad: int, n_pad: int) -> tuple[int, int]:
-    """Tiles small enough that the sequential walk over chunks has enough blocks in flight."""
-    p_block, n_block = min(p_pad, 32), min(n_pad, STATE_N_BLOCK)
+def tuning_key(key: ProblemKey, mode: str) -> dict:
+    """What kernels/tuned.json's entries match on: the padded tile extents, chunk, dtype, mode."""
+    return dict(headdim=max(MIN_TILE, next_pow2(key.headdim)),
+                dstate=max(MIN_TILE, next_pow2(key.dstate)), chunk_size=key.chunk_size,
+                x_dtype=str(key.x_dtype).replace("torch.", ""), precision=mode)
+
+
+def _load_tuned(path: str = TUNED_TABLE) -> dict[str, dict]:
+    """kernels/tuned.json (written by ``python3 -m kernels.tune --write-table`` on the H200) by
+    key; empty when absent, so the heuristics below decide."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        entries = json.load(f)["entries"]
+    return {json.dumps(e["key"], sort_keys=True): e for e in entries}
+
+
+TUNED = _load_tuned()
+
+
+def _state_passing_tiles(key: ProblemKey, p_pad: int, n_pad: int,
+                         start: tuple[int, int]) -> tuple[int, int]:
+    """Tiles from ``start`` down, small enough that the sequential walk over chunks has enough
+    blocks in flight."""
+    p_block, n_block = min(p_pad, start[0]), min(n_pad, start[1])
     while key.batch * key.nheads * (p_pad // p_block) * (n_pad // n_block) < STATE_PASSING_MIN_BLOCKS:
         if n_block > MIN_TILE:
             n_block //= 2
@@ -172,6 +204,7 @@ def make_plan(key: ProblemKey, state_dtype: torch.dtype = DEFAULT_STATE_DTYPE,
     """The kernels' variants and tiles for a problem: a pure function of the key (CI compiles the
     variants it picks for the anchor shapes without a GPU)."""
     mode = resolve_precision(precision, key.x_dtype)
+    tuned = TUNED.get(json.dumps(tuning_key(key, mode), sort_keys=True), {})
     wide = key.needs_int64()
     Q = key.chunk_size
     row_block = min(ROW_BLOCK, Q)
@@ -191,11 +224,14 @@ def make_plan(key: ProblemKey, state_dtype: torch.dtype = DEFAULT_STATE_DTYPE,
         row_block=row_block, p_block=p_block, n_block=min(n_pad, STATE_N_BLOCK),
         precision=state_precision(mode, key.x_dtype), has_seq=has_seq,
         per_seq_start=key.per_seq_start, varlen=key.varlen, wide=wide)
-    pass_p, pass_n = _state_passing_tiles(key, p_pad, n_pad)
+    chunk_state = replace(chunk_state, **tuned.get("chunk_state", {}))
+    passing_tuned = dict(tuned.get("state_passing", {}))
+    pass_p, pass_n = _state_passing_tiles(
+        key, p_pad, n_pad, (passing_tuned.pop("p_block", 32), passing_tuned.pop("n_block", STATE_N_BLOCK)))
     passing = StatePassingConfig(start_dtype=key.start_dtype or f32, state_dtype=state_dtype,
                                  p_block=pass_p, n_block=pass_n,
                                  has_start=key.start_dtype is not None, varlen=key.varlen,
-                                 wide=wide)
+                                 wide=wide, **passing_tuned)
     out = ComputeOutConfig(
         x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
         z_dtype=key.z_dtype or key.x_dtype, state_dtype=state_dtype,
@@ -204,6 +240,7 @@ def make_plan(key: ProblemKey, state_dtype: torch.dtype = DEFAULT_STATE_DTYPE,
         n_pad=n_pad, precision=mode,
         has_d=key.has_d, has_z=key.z_dtype is not None, has_seq=has_seq,
         per_seq_start=key.per_seq_start, wide=wide)
+    out = replace(out, **tuned.get("compute_out", {}))
     return Plan(cumsum, chunk_state, passing, out)
 
 

@@ -18,6 +18,7 @@ and always runs in that dtype.
 """
 from __future__ import annotations
 
+import functools
 import math
 import types
 
@@ -171,6 +172,13 @@ def index_variants(fn, wide_params: tuple[str, ...]) -> dict[bool, ct.kernel]:
             body.__annotations__.update({p: ct.IndexedWithInt64 for p in wide_params})
         variants[wide] = ct.kernel(body)
     return variants
+
+
+@functools.lru_cache(maxsize=None)
+def with_occupancy(kernel, occupancy):
+    """``kernel`` with cuTile's occupancy hint (expected resident blocks per SM; None: the
+    compiler's choice). One object per pair, so each is compiled once per process."""
+    return kernel if occupancy is None else kernel.replace_hints(occupancy=occupancy)
 
 
 def array_constraint(dtype: torch.dtype, ndim: int, wide: bool = False) -> ArrayConstraint:

@@ -1,0 +1,221 @@
+"""The offline tuner behind ``kernels/tuned.json``: each stage's kernel timed alone over candidate
+tiles and occupancy hints, at given shapes, on the GPU.
+
+    python3 -m kernels.tune --out DIR [--jobs 8] [--write-table]
+
+Per shape (``SHAPES``: the performance anchors, bf16, and the first in float32) it times, with
+CUDA-event medians on the same inputs: the states stage over every chunk_state candidate (state
+passing at the dispatcher's choice), then over every state_passing candidate with the best
+chunk_state, then compute_out over its candidates. Results and the dispatcher's own choice go to
+DIR/tune.json; ``--write-table`` also writes the winners, keyed by what the dispatcher matches on
+(padded headdim and dstate, chunk size, x dtype, precision mode), to kernels/tuned.json with
+provenance. Candidates only change tiles and hints, never what is computed; the accuracy grid
+(kernels/gpu_report.py) is run on the tuned table before it is committed. Candidates compile in
+``--jobs`` worker processes first (cuTile's disk cache then serves this process).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, replace
+from multiprocessing import get_context
+
+import torch
+
+from kernels import ssd
+from kernels.contract import validate
+from kernels.gpu_check import time_ms
+from kernels.tile_ops import next_pow2
+
+TABLE_PATH = os.path.join(os.path.dirname(__file__), "tuned.json")
+SHAPES = ((8, 4096, 64, 64, 128, 1, "bfloat16"), (4, 8192, 32, 64, 128, 8, "bfloat16"),
+          (1, 65536, 64, 64, 128, 1, "bfloat16"), (8, 4096, 64, 64, 128, 1, "float32"))
+OCCUPANCIES = (None, 1, 2, 4)
+CANDIDATES = {
+    "chunk_state": [dict(row_block=r, p_block=p, n_block=n, occupancy=o) for r, p, n, o in
+                    itertools.product((64, 128), (32, 64), (64, 128), OCCUPANCIES)],
+    "state_passing": [dict(p_block=p, n_block=n, occupancy=o) for (p, n), o in
+                      itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
+                                        (None, 4, 8, 16))],
+    "compute_out": [dict(row_block=r, p_block=p, occupancy=o) for r, p, o in
+                    itertools.product((64, 128), (32, 64), OCCUPANCIES)],
+}
+FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
+# What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
+PRECISION_PROBES = {"chunk_state": ("tf32", "input"), "compute_out": ("input",)}
+
+
+def shape_inputs(shape, seqlen=None) -> dict:
+    """Mamba-2-init inputs of a tuning shape on the GPU (seqlen overrides the shape's)."""
+    from kernels.gpu_report import anchor_inputs  # noqa: PLC0415
+    b, L, H, P, N, G, dtype = shape
+    inputs = anchor_inputs((b, seqlen or L, H, P, N, G))
+    for name in ("x", "B", "C"):
+        inputs[name] = inputs[name].to(getattr(torch, dtype))
+    return inputs
+
+
+def fits(cand: dict, shape) -> bool:
+    """A candidate's tiles divide the chunk and do not exceed the padded headdim and dstate."""
+    _, _, _, P, N, _, _ = shape
+    p_pad, n_pad = (max(ssd.MIN_TILE, next_pow2(v)) for v in (P, N))
+    return (cand.get("row_block", 0) <= ssd.DEFAULT_CHUNK_SIZE and cand.get("p_block", 0) <= p_pad
+            and cand.get("n_block", 0) <= n_pad)
+
+
+def with_candidate(plan: ssd.Plan, stage: str, cand: dict, precision: str | None = None) -> ssd.Plan:
+    cfg = replace(getattr(plan, FIELD[stage]), **cand)
+    if precision is not None:
+        cfg = replace(cfg, precision=precision)
+    return replace(plan, **{FIELD[stage]: cfg})
+
+
+def _pipeline(inputs: dict, plan: ssd.Plan | None = None) -> ssd.StagePipeline:
+    problem = validate(**inputs, chunk_size=ssd.DEFAULT_CHUNK_SIZE, return_final_states=True)
+    pipeline = ssd.stage_pipeline(problem)
+    return pipeline if plan is None else replace(pipeline, plan=plan)
+
+
+def _stage_call(pipeline: ssd.StagePipeline, stage: str, dt, cumsum, states):
+    if stage == "compute_out":
+        return lambda: pipeline.out(dt, cumsum, states)
+    return lambda: pipeline.states(dt, cumsum)
+
+
+def _compile_task(args):
+    """Compile one candidate plan in a worker by running it on a short problem of the shape."""
+    shape, stage, cand, precision = args
+    try:
+        pipeline = _pipeline(shape_inputs(shape, seqlen=2 * ssd.DEFAULT_CHUNK_SIZE))
+        pipeline = replace(pipeline, plan=with_candidate(pipeline.plan, stage, cand, precision))
+        dt, cumsum = pipeline.cumsum()
+        states, _, _ = pipeline.states(dt, cumsum)
+        pipeline.out(dt, cumsum, states)
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def tune_shape(shape, pool) -> dict:
+    inputs = shape_inputs(shape)
+    base = _pipeline(inputs)
+    dt, cumsum = base.cumsum()
+    states, _, _ = base.states(dt, cumsum)
+    record = dict(shape=dict(zip(("batch", "seqlen", "nheads", "headdim", "dstate", "ngroups",
+                                  "dtype"), shape)),
+                  dispatcher={s: asdict(getattr(base.plan, FIELD[s])) for s in CANDIDATES},
+                  stages={}, best={})
+    plan = base.plan
+    for stage, cands in CANDIDATES.items():
+        cands = [c for c in cands if fits(c, shape)]
+        errors = list(pool.map(_compile_task, [(shape, stage, c, None) for c in cands]))
+        rows = []
+        for cand, error in zip(cands, errors):
+            row = dict(cand)
+            if error:
+                row["error"] = error
+            else:
+                pipeline = _pipeline(inputs, with_candidate(plan, stage, cand))
+                try:
+                    row["ms"] = time_ms(_stage_call(pipeline, stage, dt, cumsum, states), reps=7)
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+            print(f"{shape} {stage} {cand}: {row.get('ms', row.get('error'))}", flush=True)
+        timed = [r for r in rows if "ms" in r]
+        record["stages"][stage] = rows
+        if not timed:
+            raise RuntimeError(f"{shape} {stage}: no candidate ran: {rows[0].get('error')}")
+        best = min(timed, key=lambda r: r["ms"])
+        record["best"][stage] = best
+        plan = with_candidate(plan, stage, {k: best[k] for k in best if k != "ms"})
+        probes = []
+        for precision in PRECISION_PROBES.get(stage, ()):
+            if precision == "input" and shape[-1] == "float32":
+                continue
+            cand = {k: best[k] for k in best if k != "ms"}
+            error = pool.submit(_compile_task, (shape, stage, cand, precision)).result()
+            pipeline = _pipeline(inputs, with_candidate(plan, stage, {}, precision))
+            ms = None if error else time_ms(_stage_call(pipeline, stage, dt, cumsum, states), reps=7)
+            probes.append(dict(precision=precision, ms=ms, error=error))
+        record.setdefault("precision_probes", {})[stage] = probes
+    record["default_ms"] = time_ms(_stage_call(base, "compute_out", dt, cumsum, states), reps=7) \
+        + time_ms(_stage_call(base, "states", dt, cumsum, states), reps=7)
+    tuned = _pipeline(inputs, plan)
+    record["tuned_ms"] = time_ms(_stage_call(tuned, "compute_out", dt, cumsum, states), reps=7) \
+        + time_ms(_stage_call(tuned, "states", dt, cumsum, states), reps=7)
+    record["key"] = ssd.tuning_key(
+        ssd.ProblemKey.from_problem(base.problem, varlen=False, wide=False),
+        ssd.resolve_precision(None, inputs["x"].dtype))
+    del inputs
+    torch.cuda.empty_cache()
+    return record
+
+
+def table(records: list[dict], provenance: dict, command: str) -> dict:
+    """The winners per dispatcher key: the first shape of a key decides (the others measured at
+    that key are listed with their own winners' times, for the reader to compare)."""
+    entries = {}
+    for r in records:
+        key = json.dumps(r["key"], sort_keys=True)
+        entry = entries.setdefault(key, dict(
+            key=r["key"], **{s: {k: v for k, v in r["best"][s].items() if k != "ms"}
+                             for s in CANDIDATES}, measured=[]))
+        entry["measured"].append(dict(shape=r["shape"], default_ms=round(r["default_ms"], 4),
+                                      tuned_ms=round(r["tuned_ms"], 4),
+                                      own_winners={s: r["best"][s] for s in CANDIDATES}))
+    return dict(produced_by=command, tuned_by=provenance.get("command"), provenance=provenance,
+                entries=list(entries.values()))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m kernels.tune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="folder for tune.json (rewritten after every shape)")
+    parser.add_argument("--jobs", type=int, default=8)
+    parser.add_argument("--write-table", action="store_true",
+                        help=f"also write the winners to {TABLE_PATH}")
+    parser.add_argument("--table-from", metavar="TUNE_JSON",
+                        help="no tuning: write the table from the shapes a saved tune.json "
+                             "completed (its provenance is kept)")
+    args = parser.parse_args(argv)
+    command = "python3 -m kernels.tune " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.table_from:
+        with open(args.table_from) as f:
+            saved = json.load(f)
+        write_table(table(saved["records"], saved["provenance"], command))
+        return 0
+    if not args.out:
+        parser.error("--out: expected a folder (or --table-from), got none")
+    if not torch.cuda.is_available():
+        print("tune: no CUDA device visible to torch", file=sys.stderr)
+        return 2
+    from properties.provenance import collect  # noqa: PLC0415
+    os.makedirs(args.out, exist_ok=True)
+    records = []
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
+        for shape in SHAPES:
+            records.append(tune_shape(shape, pool))
+            with open(os.path.join(args.out, "tune.json"), "w") as f:
+                json.dump(dict(provenance=collect(), records=records), f, indent=1, default=str)
+            print(f"{shape}: default {records[-1]['default_ms']:.3f} ms -> tuned "
+                  f"{records[-1]['tuned_ms']:.3f} ms", flush=True)
+    if args.write_table:
+        write_table(table(records, collect(), command))
+    return 0
+
+
+def write_table(document: dict) -> None:
+    with open(TABLE_PATH, "w") as f:
+        json.dump(document, f, indent=1, default=str)
+        f.write("\n")
+    print(f"wrote {TABLE_PATH}: {len(document['entries'])} entries")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The tuned-configuration table (kernels/tuned.json, written by ``python3 -m kernels.tune`` from an
+H200 run) and how the dispatcher uses it. CPU only: the table changes tiles and occupancy hints,
+never what is computed; CI compiles the variants it picks (tests/test_compile.py), the GPU grid
+checks their numbers."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kernels import ssd, tune
+from kernels.tile_ops import next_pow2
+
+bf16 = torch.bfloat16
+
+
+def anchor_key(**kw) -> ssd.ProblemKey:
+    return ssd.ProblemKey(batch=8, seqlen=4096, nheads=64, headdim=64, dstate=128, ngroups=1,
+                          chunk_size=256, x_dtype=bf16, b_dtype=bf16, c_dtype=bf16, **kw)
+
+
+def test_every_entry_fits_the_kernels_it_configures():
+    entries = ssd._load_tuned()
+    assert entries, "kernels/tuned.json is missing or empty"
+    for entry in entries.values():
+        key = entry["key"]
+        assert set(key) == {"headdim", "dstate", "chunk_size", "x_dtype", "precision"}
+        assert key["headdim"] == next_pow2(key["headdim"]) and key["dstate"] == next_pow2(key["dstate"])
+        for stage in tune.CANDIDATES:
+            tiles = entry[stage]
+            assert tiles in tune.CANDIDATES[stage], f"{stage}: {tiles} is not a tuner candidate"
+            assert key["chunk_size"] % tiles.get("row_block", 1) == 0
+            assert tiles.get("p_block", 0) <= key["headdim"] and tiles.get("n_block", 0) <= key["dstate"]
+        assert entry["measured"][0]["tuned_ms"] < entry["measured"][0]["default_ms"]
+
+
+def test_the_dispatcher_takes_the_table_entry_of_its_key():
+    entry = next(iter(ssd._load_tuned().values()))
+    key = entry["key"]
+    dtype = getattr(torch, key["x_dtype"])
+    problem = replace(anchor_key(), headdim=key["headdim"], dstate=key["dstate"],
+                      chunk_size=key["chunk_size"], x_dtype=dtype, b_dtype=dtype, c_dtype=dtype)
+    plan = ssd.make_plan(problem, precision=key["precision"])
+    for stage, field in tune.FIELD.items():
+        config = getattr(plan, field)
+        for name, value in entry[stage].items():
+            if stage == "state_passing" and name != "occupancy":
+                # the tiles are where the shrinking for blocks in flight starts
+                assert getattr(config, name) <= value
+            else:
+                assert getattr(config, name) == value, (stage, name)
+
+
+def test_a_key_without_an_entry_keeps_the_heuristics(monkeypatch):
+    tuned = ssd.make_plan(anchor_key())
+    monkeypatch.setattr(ssd, "TUNED", {})
+    untuned = ssd.make_plan(anchor_key())
+    assert untuned.out.occupancy is None and untuned.chunk_state.occupancy is None
+    assert (untuned.chunk_state.p_block, untuned.chunk_state.n_block) == (ssd.P_BLOCK,
+                                                                          ssd.STATE_N_BLOCK)
+    assert untuned != tuned
+    # The key includes the precision mode and the dtype: 'input' or fp16 x is another entry.
+    monkeypatch.setattr(ssd, "TUNED", {json.dumps(ssd.tuning_key(anchor_key(), "tf32"),
+                                                  sort_keys=True): {"compute_out": {"occupancy": 3}}})
+    assert ssd.make_plan(anchor_key()).out.occupancy == 3
+    assert ssd.make_plan(anchor_key(), precision="input").out.occupancy is None
+    fp16 = replace(anchor_key(), x_dtype=torch.float16, b_dtype=torch.float16,
+                   c_dtype=torch.float16)
+    assert ssd.make_plan(fp16).out.occupancy is None
+
+
+def test_table_takes_the_first_shape_of_a_key_and_lists_all(tmp_path, monkeypatch):
+    def record(batch, chunk_state_occupancy, tuned_ms):
+        best = {"chunk_state": dict(row_block=64, p_block=32, n_block=128,
+                                    occupancy=chunk_state_occupancy, ms=1.0),
+                "state_passing": dict(p_block=32, n_block=64, occupancy=4, ms=1.0),
+                "compute_out": dict(row_block=64, p_block=64, occupancy=2, ms=1.0)}
+        return dict(shape=dict(batch=batch), key=ssd.tuning_key(anchor_key(), "tf32"), best=best,
+                    default_ms=3.0, tuned_ms=tuned_ms)
+
+    saved = dict(provenance=dict(command="kernels/tune.py --out X", git_commit="abc"),
+                 records=[record(8, 2, 2.0), record(1, 4, 1.5)])
+    source = tmp_path / "tune.json"
+    source.write_text(json.dumps(saved))
+    monkeypatch.setattr(tune, "TABLE_PATH", str(tmp_path / "tuned.json"))
+    assert tune.main(["--table-from", str(source)]) == 0
+    written = json.loads((tmp_path / "tuned.json").read_text())
+    (entry,) = written["entries"]
+    assert entry["chunk_state"]["occupancy"] == 2 and "ms" not in entry["chunk_state"]
+    assert [m["shape"]["batch"] for m in entry["measured"]] == [8, 1]
+    assert written["provenance"]["git_commit"] == "abc"
+    assert written["tuned_by"] == "kernels/tune.py --out X"
+    loaded = ssd._load_tuned(str(tmp_path / "tuned.json"))
+    assert list(loaded) == [json.dumps(ssd.tuning_key(anchor_key(), "tf32"), sort_keys=True)]
+
+
+def test_tuner_candidates_respect_the_problem_sizes():
+    small = (1, 512, 4, 32, 16, 1, "bfloat16")
+    assert tune.fits(dict(row_block=64, p_block=32, n_block=16), small)
+    assert not tune.fits(dict(row_block=64, p_block=64, n_block=16), small)
+    assert not tune.fits(dict(row_block=64, p_block=32, n_block=32), small)
+    assert not tune.fits(dict(row_block=512), small)
+
+
+def test_tune_needs_an_output_folder_or_a_saved_run():
+    with pytest.raises(SystemExit):
+        tune.main([])
