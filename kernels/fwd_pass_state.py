@@ -144,11 +144,12 @@ def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, 
             first = ct.load(varlen_offsets, (chunk,), shape=())
             stop = ct.load(varlen_offsets, (chunk + 1,), shape=())
             for k in range(first, stop):
-                w = ct.load(carry_weight, (batch, head, nchunks + k), shape=(1, 1, 1)).reshape((1, 1))
-                inc = ct.load(increment, (batch, nchunks + k, head, p_block, n_block),
-                              shape=tile).reshape((P_BLOCK, N_BLOCK))
+                w_seq = ct.load(carry_weight, (batch, head, nchunks + k),
+                                shape=(1, 1, 1)).reshape((1, 1))
+                inc_seq = ct.load(increment, (batch, nchunks + k, head, p_block, n_block),
+                                  shape=tile).reshape((P_BLOCK, N_BLOCK))
                 ct.store(varlen_states, (k, head, p_block, n_block),
-                         (w * h + inc).reshape((1, 1, P_BLOCK, N_BLOCK)))
+                         (w_seq * h + inc_seq).reshape((1, 1, P_BLOCK, N_BLOCK)))
         h = w * h + inc
         w, inc = w_next, inc_next
     ct.store(final_states, (batch, head, p_block, n_block), h.reshape((1, 1, P_BLOCK, N_BLOCK)))
