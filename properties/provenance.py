@@ -50,12 +50,14 @@ def _git(*args: str) -> str | None:
 
 
 def _git_state() -> dict:
-    """The commit and whether tracked files differ from it. Where the tree has no git (the GPU
-    machine gets a copy without .git), MAMBA2_CUTILE_GIT_COMMIT names the commit the copy was
-    made from, and dirtiness is unknown (None), never guessed."""
-    commit = _git("rev-parse", "HEAD")
+    """The commit and whether tracked files differ from it. MAMBA2_CUTILE_GIT_COMMIT, when set,
+    names the commit the tree was copied from and wins over any .git: the GPU machine's copy may
+    carry no .git, or a stale one from an earlier sync (seen: it reported an older commit, dirty);
+    dirtiness is then unknown (None), never guessed."""
+    named = os.environ.get("MAMBA2_CUTILE_GIT_COMMIT")
+    commit = None if named else _git("rev-parse", "HEAD")
     if commit is None:
-        return {"git_commit": os.environ.get("MAMBA2_CUTILE_GIT_COMMIT"), "git_dirty": None}
+        return {"git_commit": named, "git_dirty": None}
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
 
