@@ -155,6 +155,7 @@ def markdown(report: dict) -> str:
              f"{prov.get('date')}, torch {prov.get('torch')}, cuda-tile {prov.get('cuda_tile')}, "
              f"tileiras {prov.get('tileiras')}, driver {prov.get('driver')}, command "
              f"`{prov.get('command')}`.", "",
+             *[f"Note: {n}\n" for n in report.get("notes", [])],
              "Rule (kernels/gpu_check.py): max|err| <= k x (chunked reference in float32)'s "
              "max|err| + floor, k from properties/tolerances.py; ratio = max|err| / allowed "
              "(<= 1 passes). Normwise = ||err|| / ||exact||.", "",

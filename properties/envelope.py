@@ -421,6 +421,12 @@ def compare(baseline_cell: dict, measured_cell: dict, impl: str, against: str) -
             if not value <= allowed:   # NaN fails too
                 found.append(Exceedance(name, impl, stage, metric, value, limit, allowed,
                                         measured["worst_seed"][metric]))
+        # A recorded Inf makes every error metric above pass; the count of non-finite results
+        # where a finite one was owed is held to the baseline's exactly (0 for a sound cell).
+        value, limit = measured["metrics"].get("nonfinite", 0), recorded["metrics"].get("nonfinite", 0)
+        if not value <= limit:
+            found.append(Exceedance(name, impl, stage, "nonfinite", value, limit, limit,
+                                    measured["worst_seed"].get("nonfinite")))
     return found
 
 

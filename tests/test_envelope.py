@@ -136,6 +136,19 @@ def test_slack_is_factor_times_recorded_plus_units_of_the_output_dtype():
     assert envelope.compare(_cell(zero, "bf16"), rounding_level, "k", "k") == []
 
 
+def test_check_holds_the_count_of_non_finite_results_to_the_baseline():
+    sound = {"max_abs": 1e-6, "max_rel": 1e-6, "normwise_rel": 1e-7, "ulp_max": 3.0, "nonfinite": 0}
+    one_inf = dict(sound, max_abs=math.inf, max_rel=math.inf, normwise_rel=math.inf,
+                   ulp_max=math.inf, nonfinite=1)
+    found = envelope.compare(_cell(sound), _cell(one_inf), "k", "k")
+    assert ("out", "nonfinite") in [(e.stage, e.metric) for e in found]
+    # A baseline that recorded Infs (a known defect) passes every error metric by itself: only
+    # the count still holds, so one more non-finite result fails.
+    assert envelope.compare(_cell(one_inf), _cell(one_inf), "k", "k") == []
+    found = envelope.compare(_cell(one_inf), _cell(dict(one_inf, nonfinite=2)), "k", "k")
+    assert [e.metric for e in found] == ["nonfinite"]
+
+
 def test_rule_column_is_the_rule_the_tests_enforce():
     """The report's "rule (<= 1)" divides by check.judge's allowance, which never takes the
     baseline below one rounding at the largest exact value: a result the tests pass reads <= 1."""
