@@ -46,7 +46,7 @@ from kernels.ssd import resolve_precision, ssd_forward_stages
 from oracles.chunked_reference import chunked_ssd
 from oracles.common import chunk_boundaries
 from oracles.sequential import sequential_ssd
-from properties.metrics import error_metrics, ulp
+from properties.metrics import error_metrics, owed_finite, ulp
 from properties.problems import DTYPES, ProblemSpec, build_problem
 from properties.tolerances import tolerance
 
@@ -183,15 +183,11 @@ def grid(full: bool = False) -> tuple[GpuCase, ...]:
 
 # ----------------------------------------------------------------------------- the check
 
-def _owed(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.isfinite(exact) & (exact.abs() <= torch.finfo(dtype).max)
-
-
 def compare(stage: str, actual: torch.Tensor, exact: torch.Tensor, baseline: torch.Tensor,
             dtype: torch.dtype, floor_ulps: float = FLOOR_ULPS) -> dict:
     """The rule for one quantity: errors of the kernel and of the float32 baseline vs exact."""
     exact = exact.to(torch.float64)
-    owed = _owed(exact, dtype)
+    owed = owed_finite(exact, dtype)
     got = actual.detach().to(exact.device, torch.float64)[owed]
     base = baseline.detach().to(exact.device, torch.float64)[owed]
     e = exact[owed]

@@ -15,12 +15,21 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     split precision: up to ~4e-6, a few times float32's error, which a float32 reference-grade
     rule rejects, hence an opt-in. "tf32" is the fast opt-in: ~2e-4..3e-4 (operands rounded to
     10-bit mantissas; mamba_ssm's 1.2e-3 on float32 inputs is the same kind).
-  - bf16/fp16 x: "tf32" by default: raw 16-bit products (C.B^T) run in the input dtype, exact;
+  - bf16 x: "tf32" by default: raw 16-bit products (C.B^T) run in the input dtype, exact;
     computed operands (decay-weighted scores, dt*x, states) of the output's matmuls are rounded to
-    TF32 (2^-11), below the 16-bit output's own rounding (2^-8 bf16, 2^-11 fp16). "input" rounds
-    them to the 16-bit dtype instead, as mamba_ssm does. In both, the chunk-state matmul (whose
-    result, final_states, is float32) splits its float32 operand in three TF32 terms against the
-    exact 16-bit one: float32-grade states at 3 MMAs of a small matmul.
+    TF32 (2^-11), 8x below bf16's own rounding (2^-8). "input" rounds them to bf16 instead, as
+    mamba_ssm does.
+  - fp16 x: "3xtf32" by default. TF32 keeps fp16's own 11 bits, so rounding the computed operands
+    to it costs an fp16 rounding of every *term* of an output, and terms can be far larger than the
+    output they cancel to: on the H200 envelope's large-magnitude fp16 cells (terms ~1e7, outputs
+    near 65504) "tf32" gave Inf at 31 and 3 positions whose exact value is finite. A CPU emulation
+    of compute_out's operand rounding reproduces exactly those counts, fails the accuracy rule by
+    13.7-16.5x at the finite positions, and gives 0 Infs and 0.13 of the rule with the split
+    (reports/h200/envelope.md; the emulation is described in the issue notes). The split path is
+    the one bf16 "3xtf32" cases ran on the H200; its fp16 envelope and speed are not yet measured.
+  In every 16-bit mode the chunk-state matmul (whose result, final_states, is float32) splits its
+  float32 operand in three TF32 terms against the exact 16-bit one: float32-grade states at 3 MMAs
+  of a small matmul.
 State dtype (``state_dtype=``): chunk_states are stored in float32 by default, the better
 envelope at a small cost. bf16 halves their traffic (the largest after x and out) and saved 5-11%
 of the anchor shapes' time on the H200 (e.g. 3.41 -> 3.11 ms at (8, 4096, 64, 64, 128); measured
@@ -71,6 +80,8 @@ ROW_BLOCK = 64
 P_BLOCK = 64
 STATE_N_BLOCK = 64
 TUNED_TABLE = os.path.join(os.path.dirname(__file__), "tuned.json")
+# What precision='auto' means per x dtype (module docstring says why).
+AUTO_PRECISION = {torch.float32: "ieee", torch.bfloat16: "tf32", torch.float16: "3xtf32"}
 
 
 @dataclass(frozen=True)
@@ -148,7 +159,7 @@ class Plan:
 def resolve_precision(precision: Optional[str], x_dtype: torch.dtype) -> str:
     """The mode of the output's matmuls (module docstring)."""
     if precision is None or precision == "auto":
-        return "ieee" if x_dtype == torch.float32 else "tf32"
+        return AUTO_PRECISION[x_dtype]
     if precision not in PRECISIONS:
         raise SSDInputError(f"precision: expected 'auto' or one of {PRECISIONS}, got {precision!r}")
     if precision == "input" and x_dtype == torch.float32:

@@ -25,7 +25,7 @@ from oracles.common import LOG2_E, OracleBudgetError, SSDResult, chunk_boundarie
 from oracles.sequential import sequential_ssd
 from properties import tolerances
 from properties.impls import ImplUnavailable, available_impls, get_impl, problem_features
-from properties.metrics import error_metrics
+from properties.metrics import error_metrics, owed_finite
 from properties.problems import DTYPES, ProblemSpec, build_problem
 from properties.regimes import REGIMES
 
@@ -219,7 +219,7 @@ def apriori_verdicts(problem: SSDProblem, result: SSDResult, exact: dict,
         if stage not in got:
             continue
         e = exact[stage]
-        owed = torch.isfinite(e) & (e.abs() <= torch.finfo(dtypes[stage]).max)
+        owed = owed_finite(e, dtypes[stage])
         a = got[stage].to(device=e.device, dtype=torch.float64)
         nonfinite = int((owed & ~torch.isfinite(a)).sum())
         err = torch.where(owed, (a - e).abs(), 0.0).nan_to_num(0.0).flatten()

@@ -1,8 +1,8 @@
 """Error metrics of a computed tensor against its float64 exact value, in the output dtype's terms.
 
-Every metric is taken over the positions where the exact value is representable in the output dtype
-(|exact| <= finfo(out_dtype).max, finite): there the correctly rounded answer is a finite number and
-an implementation owes one. Positions where the exact value overflows the output dtype are counted
+Every metric is taken over the positions where the exact value rounds to a finite number of the
+output dtype (|exact| below max + half its ulp, e.g. 65520 for fp16: round-to-nearest takes 65510
+to 65504): there an implementation owes a finite answer. Positions where the exact value overflows the output dtype are counted
 (``overflow``), not measured: the correctly rounded answer there is +-inf. A non-finite result where
 a finite answer is owed is counted in ``nonfinite`` and makes every error metric inf.
 """
@@ -25,6 +25,19 @@ def _finfo(dtype: torch.dtype) -> torch.finfo:
     if not dtype.is_floating_point:
         raise ValueError(f"out_dtype: expected a floating-point dtype, got {dtype}")
     return torch.finfo(dtype)
+
+
+def overflow_threshold(dtype: torch.dtype) -> float:
+    """The smallest magnitude that rounds to inf in ``dtype``: max + half an ulp at max (the tie
+    goes to inf, max's mantissa being odd)."""
+    fi = _finfo(dtype)
+    exponent = math.frexp(fi.max)[1]        # max = 1.x * 2^(exponent - 1); half an ulp there:
+    return fi.max + math.ldexp(fi.eps, exponent - 2)    # inf for float64, where all is owed
+
+
+def owed_finite(exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where ``exact`` (float64) rounds to a finite value of ``dtype``: a finite answer is owed."""
+    return torch.isfinite(exact) & (exact.abs() < overflow_threshold(dtype))
 
 
 def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -55,7 +68,7 @@ def error_metrics(actual: torch.Tensor, exact: torch.Tensor, out_dtype: torch.dt
     fi = _finfo(out_dtype)
     exact = exact.to(torch.float64)
     got = actual.detach().to(device=exact.device, dtype=torch.float64)
-    owed = torch.isfinite(exact) & (exact.abs() <= fi.max)
+    owed = owed_finite(exact, out_dtype)
     overflow = int((torch.isfinite(exact) & ~owed).sum())
     e, a = exact[owed], got[owed]
     nonfinite = int((~torch.isfinite(a)).sum())

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from properties import tolerances
-from properties.metrics import DEFAULT_REL_FLOOR_FRACTION, error_metrics, ulp
+from properties.metrics import (DEFAULT_REL_FLOOR_FRACTION, error_metrics, overflow_threshold, owed_finite,
+                                ulp)
 
 LOW = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -94,6 +95,27 @@ def test_values_beyond_the_dtype_range_are_counted_not_measured():
     actual = torch.tensor([1.0, math.inf, -math.inf], dtype=torch.float16)
     m = error_metrics(actual, exact, torch.float16)
     assert (m["overflow"], m["nonfinite"], m["count"], m["max_abs"]) == (2, 0, 1, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_overflow_boundary_is_where_rounding_to_nearest_reaches_inf(dtype):
+    """Between max and max + half an ulp the correctly rounded value is max: a finite answer is
+    owed there (fp16: 65504 < 65510 < 65520); from the boundary on, the answer is inf."""
+    boundary = overflow_threshold(dtype)
+    fi = torch.finfo(dtype)
+    below = torch.tensor([fi.max, (fi.max + boundary) / 2, -(fi.max + boundary) / 2],
+                         dtype=torch.float64)
+    assert torch.isfinite(below.to(dtype)).all()           # torch's own rounding agrees
+    assert not torch.isfinite(torch.tensor([boundary], dtype=torch.float64).to(dtype)).any()
+    assert owed_finite(below, dtype).all()
+    assert not owed_finite(torch.tensor([boundary, -boundary, math.inf]), dtype).any()
+    assert overflow_threshold(torch.float64) == math.inf     # float64 exact values: all owed
+    if dtype == torch.float16:
+        assert boundary == 65520.0
+        # An Inf there is a wrong answer, not an overflow.
+        m = error_metrics(torch.tensor([math.inf], dtype=dtype),
+                          torch.tensor([65510.0], dtype=torch.float64), dtype)
+        assert (m["overflow"], m["nonfinite"]) == (0, 1)
 
 
 def test_mismatched_shapes_are_refused_naming_the_argument():
