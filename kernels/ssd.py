@@ -237,8 +237,8 @@ def make_plan(key: ProblemKey, state_dtype: torch.dtype = DEFAULT_STATE_DTYPE,
         per_seq_start=key.per_seq_start, varlen=key.varlen, wide=wide)
     chunk_state = replace(chunk_state, **tuned.get("chunk_state", {}))
     passing_tuned = dict(tuned.get("state_passing", {}))
-    pass_p, pass_n = _state_passing_tiles(
-        key, p_pad, n_pad, (passing_tuned.pop("p_block", 32), passing_tuned.pop("n_block", STATE_N_BLOCK)))
+    start_tiles = (passing_tuned.pop("p_block", 32), passing_tuned.pop("n_block", STATE_N_BLOCK))
+    pass_p, pass_n = _state_passing_tiles(key, p_pad, n_pad, start_tiles)
     passing = StatePassingConfig(start_dtype=key.start_dtype or f32, state_dtype=state_dtype,
                                  p_block=pass_p, n_block=pass_n,
                                  has_start=key.start_dtype is not None, varlen=key.varlen,
