@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from kernels.tile_ops import (LOG2_E, array_constraint, index_variants, kernel_signature,
-                              next_pow2, scalar_constraint, softplus)
+from kernels.tile_ops import (LOG2_E, KernelVariant, array_constraint, index_variants,
+                              kernel_signature, next_pow2, scalar_constraint, softplus)
 
 ZERO = ct.PaddingMode.ZERO
 MAX_HEAD_BLOCK = 32
@@ -55,8 +55,10 @@ KERNELS = index_variants(chunk_cumsum_kernel, ("dt", "dt_out", "log2_decay_cumsu
 
 
 @dataclass(frozen=True)
-class ChunkCumsumConfig:
+class ChunkCumsumConfig(KernelVariant):
     """Everything that selects a compiled variant of the kernel."""
+
+    VARIANTS = KERNELS
 
     dt_dtype: torch.dtype = torch.float32
     chunk_size: int = 128
@@ -65,10 +67,7 @@ class ChunkCumsumConfig:
     softplus: bool = False
     has_limit: bool = False
     wide: bool = False
-
-    @property
-    def kernel(self):
-        return KERNELS[self.wide]
+    occupancy: int | None = None
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.head_block, self.has_bias, self.softplus, self.has_limit)

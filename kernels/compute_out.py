@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from kernels.tile_ops import (MODE, array_constraint, exp2_nonpos, index_variants,
-                              kernel_signature, log2_decay_since, precise_mma, scalar_constraint,
-                              with_occupancy)
+from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
+                              index_variants, kernel_signature, log2_decay_since, precise_mma,
+                              scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -139,7 +139,9 @@ KERNELS = index_variants(compute_out_kernel, ("x", "B", "C", "chunk_states", "z"
 
 
 @dataclass(frozen=True)
-class ComputeOutConfig:
+class ComputeOutConfig(KernelVariant):
+    VARIANTS = KERNELS
+
     x_dtype: torch.dtype = torch.float32
     b_dtype: torch.dtype = torch.float32
     c_dtype: torch.dtype = torch.float32
@@ -159,10 +161,6 @@ class ComputeOutConfig:
     per_seq_start: bool = False
     wide: bool = False
     occupancy: int | None = None
-
-    @property
-    def kernel(self):
-        return with_occupancy(KERNELS[self.wide], self.occupancy)
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_pad,

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from kernels.tile_ops import (MODE, array_constraint, exp2_nonpos, index_variants,
-                              kernel_signature, log2_decay_since, precise_mma, scalar_constraint,
-                              with_occupancy)
+from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
+                              index_variants, kernel_signature, log2_decay_since, precise_mma,
+                              scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -164,7 +164,9 @@ STATE_PASSING_KERNELS = index_variants(
 
 
 @dataclass(frozen=True)
-class ChunkStateConfig:
+class ChunkStateConfig(KernelVariant):
+    VARIANTS = CHUNK_STATE_KERNELS
+
     x_dtype: torch.dtype = torch.float32
     b_dtype: torch.dtype = torch.float32
     seq_dtype: torch.dtype = torch.int32
@@ -180,10 +182,6 @@ class ChunkStateConfig:
     varlen: bool = False
     wide: bool = False
     occupancy: int | None = None
-
-    @property
-    def kernel(self):
-        return with_occupancy(CHUNK_STATE_KERNELS[self.wide], self.occupancy)
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_block,
@@ -208,7 +206,9 @@ class ChunkStateConfig:
 
 
 @dataclass(frozen=True)
-class StatePassingConfig:
+class StatePassingConfig(KernelVariant):
+    VARIANTS = STATE_PASSING_KERNELS
+
     start_dtype: torch.dtype = torch.float32
     state_dtype: torch.dtype = torch.float32
     p_block: int = 32
@@ -217,10 +217,6 @@ class StatePassingConfig:
     varlen: bool = False
     wide: bool = False
     occupancy: int | None = None
-
-    @property
-    def kernel(self):
-        return with_occupancy(STATE_PASSING_KERNELS[self.wide], self.occupancy)
 
     def constants(self) -> tuple:
         return (self.p_block, self.n_block, self.has_start, self.varlen)

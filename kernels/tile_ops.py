@@ -181,6 +181,15 @@ def with_occupancy(kernel, occupancy):
     return kernel if occupancy is None else kernel.replace_hints(occupancy=occupancy)
 
 
+class KernelVariant:
+    """What every kernel config shares: ``VARIANTS`` ({wide: kernel}, from ``index_variants``)
+    picked by the config's ``wide`` field and compiled with its ``occupancy`` hint."""
+
+    @property
+    def kernel(self):
+        return with_occupancy(self.VARIANTS[self.wide], self.occupancy)
+
+
 def array_constraint(dtype: torch.dtype, ndim: int, wide: bool = False) -> ArrayConstraint:
     """What the JIT assumes of a contiguous torch tensor: unit last stride, 16-byte base."""
     return ArrayConstraint(CT_DTYPE[dtype], ndim, index_dtype=ct.int64 if wide else ct.int32,
