@@ -32,6 +32,10 @@ non-finite argument.
 
 Decay: every exponent dt*A must be <= 0 (the kernels clamp exponents to <= 0 before exp2, so a
 growing state would come out silently wrong). A > 0 is always refused (nheads values are read).
+On the GPU reading that verdict back stalls the host until all queued work is done, and the GPU
+then idles while the kernels are launched; ``defer_decay_check=True`` (what ``ssd_forward`` uses)
+queues the verdict's copy behind an event instead, and ``SSDProblem.confirm_decay`` waits for that
+event only (not for the kernels launched since) and raises before any output is returned.
 The step dt is >= 0 by construction with dt_softplus or a dt_limit; without either, a negative
 dt + dt_bias is outside the contract and is refused only by the opt-in scan ``check_finite=True``
 (it reads every dt).
@@ -90,6 +94,12 @@ class SSDProblem:
     dt_limit: tuple[float, float] = (0.0, math.inf)
     return_final_states: bool = False
     return_varlen_states: bool = False
+    decay_check: Optional["DecayCheck"] = None
+
+    def confirm_decay(self) -> None:
+        """Raise SSDInputError if a deferred A <= 0 check failed (a no-op when none is pending)."""
+        if self.decay_check is not None:
+            self.decay_check.confirm()
 
     @property
     def batch(self) -> int:
@@ -171,12 +181,39 @@ def _check_tensor(name, t, shape, dtypes, device, dtype_words):
         raise _fail(name, f"a tensor on {device} (the device of x)", f"a tensor on {t.device}")
 
 
+def _refuse_growing(A: torch.Tensor) -> None:
+    head = int((A > 0).nonzero()[0, 0])
+    raise _fail("A", "values <= 0 (exp(dt*A) is a decay)", f"A[{head}] = {float(A[head])}")
+
+
+class DecayCheck:
+    """The A <= 0 verdict, copied to (pinned) host memory behind an event when A is on the GPU."""
+
+    def __init__(self, A: torch.Tensor):
+        self.A = A
+        growing = (A > 0).any()
+        self.verdict = torch.empty((), dtype=torch.bool, pin_memory=A.is_cuda)
+        self.verdict.copy_(growing, non_blocking=A.is_cuda)
+        self.ready = None
+        if A.is_cuda:
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(A.device))
+
+    def confirm(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+        if bool(self.verdict):
+            _refuse_growing(self.A)
+
+
 def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf),
              return_final_states=False, return_varlen_states=False, *,
              supported_chunk_sizes: Optional[Sequence[int]] = None,
-             check_finite: bool = False, implementation: str = "this implementation") -> SSDProblem:
-    """Check every argument of an SSD forward call; raise SSDInputError or return the SSDProblem."""
+             check_finite: bool = False, implementation: str = "this implementation",
+             defer_decay_check: bool = False) -> SSDProblem:
+    """Check every argument of an SSD forward call; raise SSDInputError or return the SSDProblem.
+    defer_decay_check: leave the A <= 0 verdict to ``SSDProblem.confirm_decay`` (module docstring)."""
     act = "float32, float16 or bfloat16"
     if not isinstance(x, torch.Tensor):
         raise _fail("x", "a torch.Tensor", type(x).__name__)
@@ -284,15 +321,16 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
                 raise _fail("dt", "dt + dt_bias >= 0 without dt_softplus or dt_limit "
                             "(check_finite=True)", f"a step of {float(step.min())}")
 
-    if bool((A > 0).any()):
-        head = int((A > 0).nonzero()[0, 0])
-        raise _fail("A", "values <= 0 (exp(dt*A) is a decay)", f"A[{head}] = {float(A[head])}")
+    decay_check = DecayCheck(A)
+    if not defer_decay_check:
+        decay_check.confirm()
+        decay_check = None
 
     return SSDProblem(x=x, dt=dt, A=A, B=B, C=C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
                       initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
                       dt_softplus=bool(dt_softplus), dt_limit=(lo, hi),
                       return_final_states=bool(return_final_states),
-                      return_varlen_states=bool(return_varlen_states))
+                      return_varlen_states=bool(return_varlen_states), decay_check=decay_check)
 
 
 def pack_outputs(problem: SSDProblem, out, final_states=None, varlen_states=None):

@@ -377,7 +377,9 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
                        return_final_states=return_final_states,
                        return_varlen_states=return_varlen_states,
                        supported_chunk_sizes=SUPPORTED_CHUNK_SIZES,
-                       implementation="the cuTile kernels")
+                       implementation="the cuTile kernels", defer_decay_check=True)
     result = run_stages(problem, state_dtype=state_dtype, precision=precision,
                         varlen=return_varlen_states)
+    # The kernels are queued; the A <= 0 verdict decides whether their outputs are returned.
+    problem.confirm_decay()
     return pack_outputs(problem, result.out, result.final_states, result.varlen_states)

@@ -1,7 +1,7 @@
 """The offline tuner behind ``kernels/tuned.json``: each stage's kernel timed alone over candidate
 tiles and occupancy hints, at given shapes, on the GPU.
 
-    python3 -m kernels.tune --out DIR [--jobs 8] [--write-table]
+    python3 -m kernels.tune --out DIR [--jobs 8] [--shapes 0,1] [--stages compute_out] [--write-table]
 
 Per shape (``SHAPES``: the performance anchors, bf16, and the first in float32) it times, with
 CUDA-event medians on the same inputs: the states stage over every chunk_state candidate (state
@@ -101,7 +101,7 @@ def _compile_task(args):
         return f"{type(exc).__name__}: {exc}"[:300]
 
 
-def tune_shape(shape, pool) -> dict:
+def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
     inputs = shape_inputs(shape)
     base = _pipeline(inputs)
     dt, cumsum = base.cumsum()
@@ -111,8 +111,13 @@ def tune_shape(shape, pool) -> dict:
                   dispatcher={s: asdict(getattr(base.plan, FIELD[s])) for s in CANDIDATES},
                   stages={}, best={})
     plan = base.plan
-    for stage, cands in CANDIDATES.items():
-        cands = [c for c in cands if fits(c, shape)]
+    for stage in CANDIDATES:
+        if stage not in stages:
+            # Not searched: the dispatcher's choice stands (and is what the table keeps).
+            dispatched = asdict(getattr(plan, FIELD[stage]))
+            record["best"][stage] = {k: dispatched[k] for k in CANDIDATES[stage][0]}
+            continue
+        cands = [c for c in CANDIDATES[stage] if fits(c, shape)]
         errors = list(pool.map(_compile_task, [(shape, stage, c, None) for c in cands]))
         rows = []
         for cand, error in zip(cands, errors):
@@ -180,6 +185,12 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--write-table", action="store_true",
                         help=f"also write the winners to {TABLE_PATH}")
+    parser.add_argument("--shapes", default=",".join(str(i) for i in range(len(SHAPES))),
+                        help="indexes into SHAPES to tune (default: all): " + "; ".join(
+                            f"{i}: {s}" for i, s in enumerate(SHAPES)))
+    parser.add_argument("--stages", default=",".join(CANDIDATES),
+                        help="stages to search (default: all); the others keep the dispatcher's "
+                             "choice")
     parser.add_argument("--table-from", metavar="TUNE_JSON",
                         help="no tuning: write the table from the shapes a saved tune.json "
                              "completed (its provenance is kept)")
@@ -192,6 +203,13 @@ def main(argv=None) -> int:
         return 0
     if not args.out:
         parser.error("--out: expected a folder (or --table-from), got none")
+    stages = tuple(args.stages.split(","))
+    if not set(stages) <= set(CANDIDATES):
+        parser.error(f"--stages: expected names from {tuple(CANDIDATES)}, got {args.stages!r}")
+    try:
+        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
+    except (ValueError, IndexError):
+        parser.error(f"--shapes: expected indexes 0..{len(SHAPES) - 1}, got {args.shapes!r}")
     if not torch.cuda.is_available():
         print("tune: no CUDA device visible to torch", file=sys.stderr)
         return 2
@@ -199,8 +217,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     records = []
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
-        for shape in SHAPES:
-            records.append(tune_shape(shape, pool))
+        for shape in shapes:
+            records.append(tune_shape(shape, pool, stages))
             with open(os.path.join(args.out, "tune.json"), "w") as f:
                 json.dump(dict(provenance=collect(), records=records), f, indent=1, default=str)
             print(f"{shape}: default {records[-1]['default_ms']:.3f} ms -> tuned "

@@ -271,6 +271,18 @@ def test_a_growing_decay_is_refused_naming_the_head():
     validate(**{**D, "A": torch.zeros_like(A)})
 
 
+def test_a_deferred_decay_check_raises_at_confirmation_with_the_same_message():
+    """ssd_forward queues the kernels before reading the A verdict: validation passes, and
+    confirm_decay (called before any output is returned) raises what validate would have."""
+    A = D["A"].clone()
+    A[2] = 0.5
+    problem = validate(**{**D, "A": A}, defer_decay_check=True)
+    with pytest.raises(SSDInputError) as info:
+        problem.confirm_decay()
+    check(str(info.value), "A", "values <= 0 (exp(dt*A) is a decay)", "A[2] = 0.5")
+    validate(**D, defer_decay_check=True).confirm_decay()
+
+
 def test_a_negative_step_without_softplus_or_limit_is_refused_by_the_scan_only():
     plain = {**D, "dt_softplus": False, "dt_bias": None}
     dt = plain["dt"].abs()

@@ -118,6 +118,18 @@ def test_positional_call_as_mamba_ssm():
     assert isinstance(ssd_forward(p.x, p.dt, p.A, p.B, p.C), torch.Tensor)   # default chunk
 
 
+@pytest.mark.gpu
+@requires_gpu
+def test_growing_decay_on_the_gpu_raises_after_the_deferred_check():
+    """ssd_forward queues the kernels before it reads the A <= 0 verdict; it still raises, naming
+    the head, and returns nothing."""
+    p = _tiny("cuda")
+    A = p.A.clone()
+    A[1] = 0.25
+    with pytest.raises(SSDInputError, match=r"^A: expected values <= 0 .* got A\[1\] = 0.25$"):
+        ssd_forward(p.x, p.dt, A, p.B, p.C, 64)
+
+
 # ----------------------------------------------------------------------------- host errors
 
 def _tiny(device="cpu", **kw):
