@@ -101,6 +101,29 @@ def _compile_task(args):
         return f"{type(exc).__name__}: {exc}"[:300]
 
 
+def _search(shape, stage, pool, inputs, plan, dt, cumsum, states):
+    """(rows, best): every fitting candidate of ``stage`` timed on ``plan``'s other stages."""
+    cands = [c for c in CANDIDATES[stage] if fits(c, shape)]
+    errors = list(pool.map(_compile_task, [(shape, stage, c, None) for c in cands]))
+    rows = []
+    for cand, error in zip(cands, errors):
+        row = dict(cand)
+        if error:
+            row["error"] = error
+        else:
+            pipeline = _pipeline(inputs, with_candidate(plan, stage, cand))
+            try:
+                row["ms"] = time_ms(_stage_call(pipeline, stage, dt, cumsum, states), reps=7)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+        print(f"{shape} {stage} {cand}: {row.get('ms', row.get('error'))}", flush=True)
+    timed = [r for r in rows if "ms" in r]
+    if not timed:
+        raise RuntimeError(f"{shape} {stage}: no candidate ran: {rows[0].get('error')}")
+    return rows, min(timed, key=lambda r: r["ms"])
+
+
 def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
     inputs = shape_inputs(shape)
     base = _pipeline(inputs)
@@ -112,31 +135,15 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
                   stages={}, best={})
     plan = base.plan
     for stage in CANDIDATES:
-        if stage not in stages:
+        if stage in stages:
+            record["stages"][stage], best = _search(shape, stage, pool, inputs, plan, dt, cumsum,
+                                                    states)
+        else:
             # Not searched: the dispatcher's choice stands (and is what the table keeps).
             dispatched = asdict(getattr(plan, FIELD[stage]))
-            record["best"][stage] = {k: dispatched[k] for k in CANDIDATES[stage][0]}
-            continue
-        cands = [c for c in CANDIDATES[stage] if fits(c, shape)]
-        errors = list(pool.map(_compile_task, [(shape, stage, c, None) for c in cands]))
-        rows = []
-        for cand, error in zip(cands, errors):
-            row = dict(cand)
-            if error:
-                row["error"] = error
-            else:
-                pipeline = _pipeline(inputs, with_candidate(plan, stage, cand))
-                try:
-                    row["ms"] = time_ms(_stage_call(pipeline, stage, dt, cumsum, states), reps=7)
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            rows.append(row)
-            print(f"{shape} {stage} {cand}: {row.get('ms', row.get('error'))}", flush=True)
-        timed = [r for r in rows if "ms" in r]
-        record["stages"][stage] = rows
-        if not timed:
-            raise RuntimeError(f"{shape} {stage}: no candidate ran: {rows[0].get('error')}")
-        best = min(timed, key=lambda r: r["ms"])
+            best = {k: dispatched[k] for k in CANDIDATES[stage][0]}
+            best["ms"] = time_ms(_stage_call(_pipeline(inputs, plan), stage, dt, cumsum, states),
+                                 reps=7)
         record["best"][stage] = best
         plan = with_candidate(plan, stage, {k: best[k] for k in best if k != "ms"})
         probes = []
