@@ -196,8 +196,8 @@ def main(argv=None) -> int:
                         help="indexes into SHAPES to tune (default: all): " + "; ".join(
                             f"{i}: {s}" for i, s in enumerate(SHAPES)))
     parser.add_argument("--stages", default=",".join(CANDIDATES),
-                        help="stages to search (default: all); the others keep the dispatcher's "
-                             "choice")
+                        help="stages to search (default: all; '' for none: a timing of the "
+                             "dispatcher's choice); the others keep the dispatcher's choice")
     parser.add_argument("--table-from", metavar="TUNE_JSON",
                         help="no tuning: write the table from the shapes a saved tune.json "
                              "completed (its provenance is kept)")
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
         return 0
     if not args.out:
         parser.error("--out: expected a folder (or --table-from), got none")
-    stages = tuple(args.stages.split(","))
+    stages = tuple(filter(None, args.stages.split(",")))
     if not set(stages) <= set(CANDIDATES):
         parser.error(f"--stages: expected names from {tuple(CANDIDATES)}, got {args.stages!r}")
     try:
