@@ -2,11 +2,22 @@
 
     dt (b, L, H) fp32/bf16/fp16, A (H,) fp32, dt_bias (H,) fp32
     -> dt_out (b, H, nchunks, Q) fp32:  clamp(softplus(dt + dt_bias), dt_min, dt_max), 0 past seqlen
-       log2_decay_cumsum (b, H, nchunks, Q) fp32:  inclusive cumsum over each chunk of
-       dt_out * A * log2(e), flat past seqlen (decays are exp2 of differences, never > 1)
+       log2_decay_cumsum (b, H, nchunks, 2, Q) fp32:  inclusive cumsum S over each chunk of
+       dt_out * A * log2(e), flat past seqlen (decays are exp2 of differences, never > 1), as
+       hi + lo: [..., 0, :] = hi, the float32 nearest S; [..., 1, :] = lo, what hi leaves out
 
 One block per (chunk, batch row, block of HEAD_BLOCK heads); the chunk is one tile, so the cumsum
 is one in-register scan.
+
+Why two parts: the kernels need differences S_i - S_j of nearby positions (the decay between
+them), and S reaches tens within a chunk under strong decay (|S| = 76 in 256 steps is a Mamba-2
+init draw). A float32 S carries an error of up to ~ulp(|S|) (8e-6 at 76) from the scan's tree
+order, uncorrelated between positions, so the decay 2^(S_i - S_j) of two adjacent positions would
+be off by ~5e-6 relative, 60 float32 ulps; a sequential sum rounds differences of neighbours much
+less, and on the H200 the property tests caught final_states 5-9x past a sequential float32
+reference's error for that reason. The scan carries each partial sum's rounding error (TwoSum) in
+lo, so hi and lo together hold S to ~2^-48 relative, and a difference is accurate to float32
+relative to itself.
 """
 from __future__ import annotations
 
@@ -17,7 +28,8 @@ import cuda.tile as ct
 import torch
 
 from kernels.tile_ops import (LOG2_E, KernelVariant, array_constraint, index_variants,
-                              kernel_signature, next_pow2, scalar_constraint, softplus)
+                              kernel_signature, next_pow2, scalar_constraint, softplus,
+                              two_sum_add)
 
 ZERO = ct.PaddingMode.ZERO
 MAX_HEAD_BLOCK = 32
@@ -44,10 +56,18 @@ def chunk_cumsum_kernel(dt, A, dt_bias, dt_out, log2_decay_cumsum, seqlen, nhead
     position = chunk * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
     step = ct.where(position[None, :] < seqlen, step, 0.0)
     a = ct.load(A, (head_block,), shape=(HEAD_BLOCK,), padding_mode=ZERO)
-    cumsum = ct.cumsum(step * (a * LOG2_E)[:, None], axis=1)
+    log2_decay = step * (a * LOG2_E)[:, None]
+    hi, lo = ct.scan((log2_decay, ct.zeros((HEAD_BLOCK, CHUNK), dtype=ct.float32)), axis=1,
+                     func=two_sum_add, identity=(0.0, 0.0))
+    # An infinite sum (dt = inf) leaves inf - inf = NaN in lo: its decay is exactly 0, keep hi.
+    lo = ct.where(ct.abs(hi) == math.inf, 0.0, lo)
+    # Renormalise: hi the float32 nearest hi + lo (what the stage reports), lo the rest.
+    total = hi + lo
+    lo = lo - (total - hi)
     ct.store(dt_out, (batch, head_block, chunk, 0), step.reshape((1, HEAD_BLOCK, 1, CHUNK)))
-    ct.store(log2_decay_cumsum, (batch, head_block, chunk, 0),
-             cumsum.reshape((1, HEAD_BLOCK, 1, CHUNK)))
+    tile = (1, HEAD_BLOCK, 1, 1, CHUNK)
+    ct.store(log2_decay_cumsum, (batch, head_block, chunk, 0, 0), total.reshape(tile))
+    ct.store(log2_decay_cumsum, (batch, head_block, chunk, 1, 0), lo.reshape(tile))
 
 
 # dt and the two stage outputs are (b, L, H)-sized: beyond 2^31 positions x heads they need int64.
@@ -77,7 +97,7 @@ class ChunkCumsumConfig(KernelVariant):
         return kernel_signature([
             array_constraint(self.dt_dtype, 3, self.wide), array_constraint(f32, 1),
             array_constraint(f32, 1), array_constraint(f32, 4, self.wide),
-            array_constraint(f32, 4, self.wide), scalar_constraint(torch.int32),
+            array_constraint(f32, 5, self.wide), scalar_constraint(torch.int32),
             scalar_constraint(torch.int32), scalar_constraint(f32), scalar_constraint(f32),
             *self.constants()])
 
@@ -93,7 +113,8 @@ def head_block_for(nheads: int) -> int:
 
 def chunk_cumsum(dt: torch.Tensor, A: torch.Tensor, config: ChunkCumsumConfig, dt_bias=None,
                  dt_limit=(0.0, math.inf)):
-    """(dt_out, log2_decay_cumsum), both (b, H, nchunks, Q) fp32; see the module docstring.
+    """(dt_out (b, H, nchunks, Q), log2_decay_cumsum (b, H, nchunks, 2, Q)), fp32; see the module
+    docstring.
 
     dt (b, L, H) CUDA fp32/bf16/fp16 (any strides); A, dt_bias (H,) CUDA, any float dtype.
     config: the variant (``kernels.ssd.make_plan(...).cumsum``): chunk size, which of bias,
@@ -104,7 +125,7 @@ def chunk_cumsum(dt: torch.Tensor, A: torch.Tensor, config: ChunkCumsumConfig, d
     nchunks = -(-L // Q)
     f32 = torch.float32
     dt_out = torch.empty(b, H, nchunks, Q, device=dt.device, dtype=f32)
-    cumsum = torch.empty_like(dt_out)
+    cumsum = torch.empty(b, H, nchunks, 2, Q, device=dt.device, dtype=f32)
     A32 = A.to(f32)
     bias = A32 if dt_bias is None else dt_bias.to(f32)   # A stands in for an absent bias: never read
     nhb = -(-H // config.head_block)

@@ -1,7 +1,8 @@
 """Stage 3, one fused kernel: the output of every position from the state entering its chunk and
 the positions before it in the chunk.
 
-    x (b, L, H, P), B, C (b, L, G, N), dt and log2_decay_cumsum S (b, H, nchunks, Q) fp32,
+    x (b, L, H, P), B, C (b, L, G, N), dt (b, H, nchunks, Q) and log2_decay_cumsum S
+    (b, H, nchunks, 2, Q) fp32 (hi + lo, kernels/chunk_cumsum.py),
     chunk_states (b, nchunks, H, P, N), D (H, P) fp32, z (b, L, H, P)  ->  out (b, L, H, P) x.dtype
 
     y_i = [seq(i) entered the chunk] 2^(S_i) C_i . h_chunk
@@ -31,7 +32,8 @@ import cuda.tile as ct
 import torch
 
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
-                              index_variants, kernel_signature, log2_decay_since, precise_mma,
+                              index_variants, kernel_signature, load_log2_cumsum,
+                              log2_decay_between, log2_decay_since, precise_mma,
                               scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
@@ -62,8 +64,7 @@ def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, se
 
     C_i = ct.load(C, (batch, rows, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
                   padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
-    S_i = ct.load(log2_decay_cumsum, (batch, head, chunk, row_block),
-                  shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
+    hi_i, lo_i = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, row_block, ROW_BLOCK)
     if HAS_SEQ:
         seq_i = ct.load(seq_idx, (batch, rows), shape=(1, ROW_BLOCK),
                         padding_mode=ZERO).reshape((ROW_BLOCK,))
@@ -75,7 +76,7 @@ def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, se
                 padding_mode=ZERO).reshape((P_BLOCK, N_PAD))
     y = precise_mma(C_i, h.transpose(), ct.zeros((ROW_BLOCK, P_BLOCK), dtype=ct.float32), MODE,
                     x.dtype)
-    carried_scale = exp2_nonpos(S_i)
+    carried_scale = exp2_nonpos(hi_i + lo_i)
     if HAS_SEQ:
         carried_scale = ct.where(seq_i == seq_entering, carried_scale, 0.0)
     y = y * carried_scale[:, None]
@@ -85,8 +86,8 @@ def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, se
         local_j = col_block * ROW_BLOCK + ct.arange(ROW_BLOCK, dtype=ct.int32)
         B_j = ct.load(B, (batch, cols, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
                       padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
-        S_j = ct.load(log2_decay_cumsum, (batch, head, chunk, col_block),
-                      shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
+        hi_j, lo_j = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, col_block,
+                                      ROW_BLOCK)
         dt_j = ct.load(dt, (batch, head, chunk, col_block),
                        shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
         x_j = ct.load(x, (batch, cols, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
@@ -98,7 +99,8 @@ def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, se
             seq_j = ct.load(seq_idx, (batch, cols), shape=(1, ROW_BLOCK),
                             padding_mode=ZERO).reshape((ROW_BLOCK,))
             sees = sees & (seq_j[None, :] == seq_i[:, None])
-        decay = ct.where(sees, exp2_nonpos(S_i[:, None] - S_j[None, :]), 0.0)
+        exponent = log2_decay_between(hi_i[:, None], lo_i[:, None], hi_j[None, :], lo_j[None, :])
+        decay = ct.where(sees, exp2_nonpos(exponent), 0.0)
         y = precise_mma(scores * decay, x_j.astype(ct.float32) * dt_j[:, None], y, MODE, x.dtype)
 
     if PER_SEQ_START:
@@ -109,7 +111,7 @@ def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, se
         for sequence in range(seq_lo, seq_hi + 1):
             start = ct.load(cu_seqlens, (sequence,), shape=())
             exponent = log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk,
-                                        ct.maximum(start - first, 0), S_i)
+                                        ct.maximum(start - first, 0), hi_i, lo_i)
             h0 = ct.load(start_states, (sequence, head, p_block, 0),
                          shape=(1, 1, P_BLOCK, N_PAD), padding_mode=ZERO).reshape((P_BLOCK, N_PAD))
             from_start = precise_mma(C_i, h0.transpose(),
@@ -170,7 +172,7 @@ class ComputeOutConfig(KernelVariant):
         f32, i32, w = torch.float32, torch.int32, self.wide
         return kernel_signature([
             array_constraint(self.x_dtype, 4, w), array_constraint(self.b_dtype, 4, w),
-            array_constraint(self.c_dtype, 4, w), array_constraint(f32, 4), array_constraint(f32, 4),
+            array_constraint(self.c_dtype, 4, w), array_constraint(f32, 4), array_constraint(f32, 5),
             array_constraint(f32, 1), array_constraint(self.state_dtype, 5, w), array_constraint(f32, 2),
             array_constraint(self.z_dtype, 4, w), array_constraint(self.seq_dtype, 2),
             array_constraint(self.start_dtype, 4, w), array_constraint(self.cu_dtype, 1),

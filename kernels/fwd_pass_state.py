@@ -1,6 +1,7 @@
 """Stage 2: the state entering every chunk, in two kernels.
 
-    x (b, L, H, P), B (b, L, G, N), dt and log2_decay_cumsum (b, H, nchunks, Q) fp32
+    x (b, L, H, P), B (b, L, G, N), dt (b, H, nchunks, Q) and log2_decay_cumsum
+    (b, H, nchunks, 2, Q) fp32 (kernels/chunk_cumsum.py)
     -> chunk_states (b, nchunks, H, P, N) state_dtype: h after c*Q steps (c = 0: the row's start)
        final_states (b, H, P, N) fp32; varlen_states (nseq, H, P, N) fp32 with cu_seqlens
 
@@ -32,7 +33,8 @@ import cuda.tile as ct
 import torch
 
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
-                              index_variants, kernel_signature, log2_decay_since, precise_mma,
+                              index_variants, kernel_signature, load_log2_cumsum, log2_cumsum_at,
+                              log2_decay_between, log2_decay_since, precise_mma,
                               scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
@@ -65,14 +67,14 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
     chunk = end // CHUNK
     first = chunk * CHUNK
     end_local = end - first
-    S_end = ct.load(log2_decay_cumsum, (batch, head, chunk, end_local), shape=(1, 1, 1, 1)).reshape(())
+    hi_end, lo_end = log2_cumsum_at(log2_decay_cumsum, batch, head, chunk, end_local)
     carried = True
     if HAS_SEQ:
         seq_end = ct.load(seq_idx, (batch, end), shape=(1, 1)).reshape(())
         # Chunk 0's entering state belongs to the row's first sequence.
         seq_before = ct.load(seq_idx, (batch, ct.maximum(first - 1, 0)), shape=(1, 1)).reshape(())
         carried = seq_end == seq_before
-    weight = ct.where(carried, exp2_nonpos(S_end), 0.0)
+    weight = ct.where(carried, exp2_nonpos(hi_end + lo_end), 0.0)
     if p_block == 0 and n_block == 0:
         ct.store(carry_weight, (batch, head, target), weight.reshape((1, 1, 1)))
 
@@ -87,14 +89,15 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
                          padding_mode=ZERO).reshape((ROW_BLOCK, N_BLOCK))
         dt_rows = ct.load(dt, (batch, head, chunk, row_block),
                           shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
-        S_rows = ct.load(log2_decay_cumsum, (batch, head, chunk, row_block),
-                         shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
+        hi_rows, lo_rows = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, row_block,
+                                            ROW_BLOCK)
         keep = local <= end_local
         if HAS_SEQ:
             seq_rows = ct.load(seq_idx, (batch, rows), shape=(1, ROW_BLOCK),
                                padding_mode=ZERO).reshape((ROW_BLOCK,))
             keep = keep & (seq_rows == seq_end)
-        w = ct.where(keep, dt_rows * exp2_nonpos(S_end - S_rows), 0.0)
+        w = ct.where(keep, dt_rows * exp2_nonpos(log2_decay_between(hi_end, lo_end, hi_rows,
+                                                                    lo_rows)), 0.0)
         acc = precise_mma(x_rows.transpose(), B_rows.astype(ct.float32) * w[:, None], acc, MODE,
                           x.dtype)
 
@@ -103,7 +106,7 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
         # H0, decayed from just before r.
         start = ct.load(cu_seqlens, (seq_end,), shape=())
         exponent = log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk,
-                                    ct.maximum(start - first, 0), S_end)
+                                    ct.maximum(start - first, 0), hi_end, lo_end)
         h0 = ct.load(start_states, (seq_end, head, p_block, n_block),
                      shape=(1, 1, P_BLOCK, N_BLOCK), padding_mode=ZERO).reshape((P_BLOCK, N_BLOCK))
         acc = acc + h0.astype(ct.float32) * ct.where(carried, 0.0, exp2_nonpos(exponent))
@@ -191,7 +194,7 @@ class ChunkStateConfig(KernelVariant):
         f32, i32, w = torch.float32, torch.int32, self.wide
         return kernel_signature([
             array_constraint(self.x_dtype, 4, w), array_constraint(self.b_dtype, 4, w),
-            array_constraint(f32, 4), array_constraint(f32, 4), array_constraint(f32, 1),
+            array_constraint(f32, 4), array_constraint(f32, 5), array_constraint(f32, 1),
             array_constraint(self.seq_dtype, 2), array_constraint(self.start_dtype, 4, w),
             array_constraint(self.cu_dtype, 1), array_constraint(i32, 1),
             array_constraint(f32, 5, w), array_constraint(f32, 3),

@@ -2,7 +2,8 @@
 ``mamba_chunk_scan_combined`` (same arguments, order, defaults and return convention; the contract
 is ``kernels.contract``).
 
-    chunk_cumsum    dt, log2_decay_cumsum (b, H, nchunks, Q) fp32          kernels/chunk_cumsum.py
+    chunk_cumsum    dt (b, H, nchunks, Q), log2_decay_cumsum               kernels/chunk_cumsum.py
+                    (b, H, nchunks, 2, Q) fp32 (hi + lo)
     fwd_pass_state  chunk_states (b, nchunks, H, P, N) state_dtype,        kernels/fwd_pass_state.py
                     final_states (b, H, P, N) fp32, varlen_states fp32
     compute_out     out (b, L, H, P) in x's dtype                          kernels/compute_out.py
@@ -344,7 +345,7 @@ def run_stages(problem: SSDProblem, state_dtype=None, precision: Optional[str] =
     chunk_states, final_states, varlen_states = pipeline.states(dt, log2_cumsum)
     out = pipeline.out(dt, log2_cumsum, chunk_states)
     return SSDResult(out=out, final_states=final_states, varlen_states=varlen_states,
-                     stages={"dt": dt, "log2_decay_cumsum": log2_cumsum,
+                     stages={"dt": dt, "log2_decay_cumsum": log2_cumsum[..., 0, :],
                              "chunk_states": chunk_states})
 
 

@@ -67,16 +67,48 @@ def softplus(v):
 
 
 @ct.function
-def log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk, start, S_to):
+def two_sum_add(hi1, lo1, hi2, lo2):
+    """(hi1 + lo1) + (hi2 + lo2) as an unevaluated sum hi + lo: hi = fl(hi1 + hi2) and its exact
+    rounding error (Knuth's TwoSum) joins the low parts. The combine of the chunk cumsum's scan."""
+    hi = hi1 + hi2
+    back = hi - hi1
+    error = (hi1 - (hi - back)) + (hi2 - back)
+    return hi, (lo1 + lo2) + error
+
+
+@ct.function
+def load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, block, SIZE: ct.Constant[int]):
+    """(hi, lo), each (SIZE,): the compensated cumsum of positions block*SIZE.. of a chunk."""
+    hi = ct.load(log2_decay_cumsum, (batch, head, chunk, 0, block), shape=(1, 1, 1, 1, SIZE))
+    lo = ct.load(log2_decay_cumsum, (batch, head, chunk, 1, block), shape=(1, 1, 1, 1, SIZE))
+    return hi.reshape((SIZE,)), lo.reshape((SIZE,))
+
+
+@ct.function
+def log2_cumsum_at(log2_decay_cumsum, batch, head, chunk, position):
+    """(hi, lo), 0-d: the compensated cumsum at one chunk-local position."""
+    hi, lo = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, position, 1)
+    return hi.reshape(()), lo.reshape(())
+
+
+@ct.function
+def log2_decay_between(hi_to, lo_to, hi_from, lo_from):
+    """S_to - S_from of the compensated cumsum: the high parts' difference is exact or rounded
+    relative to itself (not to |S| ~ tens), so the decay between nearby positions keeps float32
+    accuracy however far the chunk has decayed."""
+    return (hi_to - hi_from) + (lo_to - lo_from)
+
+
+@ct.function
+def log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk, start, hi_to, lo_to):
     """The log2 decay from just before chunk-local position ``start`` to the position whose
-    cumsum is S_to: (S_to - S_start) + dt_start * A * log2(e). The step at ``start`` is recomputed
-    exactly as chunk_cumsum summed it, not taken as S_start - S_(start-1): that difference of two
-    cumsums (each ~30 in magnitude over a chunk) would cost ~1e-6 relative on the decay."""
-    at = (batch, head, chunk, start)
-    S_start = ct.load(log2_decay_cumsum, at, shape=(1, 1, 1, 1)).reshape(())
-    step = ct.load(dt, at, shape=(1, 1, 1, 1)).reshape(())
+    cumsum is (hi_to, lo_to): (S_to - S_start) + dt_start * A * log2(e). The step at ``start`` is
+    recomputed exactly as chunk_cumsum summed it, not taken as S_start - S_(start-1), which would
+    add a rounding of that difference."""
+    hi_start, lo_start = log2_cumsum_at(log2_decay_cumsum, batch, head, chunk, start)
+    step = ct.load(dt, (batch, head, chunk, start), shape=(1, 1, 1, 1)).reshape(())
     a = ct.load(A, (head,), shape=())
-    return (S_to - S_start) + step * (a * LOG2_E)
+    return log2_decay_between(hi_to, lo_to, hi_start, lo_start) + step * (a * LOG2_E)
 
 
 @ct.function

@@ -516,7 +516,8 @@ def test_stage_rows_call_each_stage_as_ssd_forward_does(monkeypatch, D):
                                return_final_states=False)
     problem = build_problem(spec)
     ref = chunked_ssd(problem, compute_dtype=torch.float32)
-    returns = {"chunk_cumsum": (ref.stages["dt"], ref.stages["log2_decay_cumsum"]),
+    S = ref.stages["log2_decay_cumsum"]
+    returns = {"chunk_cumsum": (ref.stages["dt"], torch.stack((S, torch.zeros_like(S)), dim=3)),
                "fwd_pass_state": (ref.stages["chunk_states"], ref.final_states, None),
                "compute_out": ref.out}
     calls = []
