@@ -19,10 +19,12 @@ precision of ``kernels.tile_ops`` (tensor cores except in the ieee mode).
 
 A NaN or Inf in x, dt or B at position j also reaches the positions before j in its chunk (and
 other sequences packed in it): their masked weight 0 multiplies it inside the MMA.
-Measured on the H200 (bf16, chunk 256, tuned tiles): 1.60 ms at (8, 4096, 64 heads), 1.41 ms with
+Measured on the H200 (bf16, chunk 256, tuned tiles): 1.52 ms at (8, 4096, 64 heads), 1.37 ms with
 'input' precision, so the TF32 rounding of the computed operands is not what bounds it. C_i B_j^T
-is recomputed by every head of a group and every P block; sharing it across a group's heads in one
-block is the next performance step.
+is recomputed by every head of a group and every P block. A variant that shares it across 2 or 4
+heads per block (branch perf/compute-out-heads, with dt folded into the weights) was slower in the
+same run: 1.67 ms at best (2 heads, P block 32, occupancy 2), 1.68 ms with one head
+(reports/h200/experiments/).
 """
 from __future__ import annotations
 

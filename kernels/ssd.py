@@ -26,8 +26,9 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     near 65504) "tf32" gave Inf at 31 and 3 positions whose exact value is finite. A CPU emulation
     of compute_out's operand rounding reproduces exactly those counts, fails the accuracy rule by
     13.7-16.5x at the finite positions, and gives 0 Infs and 0.13 of the rule with the split
-    (reports/h200/envelope.md; the model: tests/test_precision_model.py). The split path is
-    the one bf16 "3xtf32" cases ran on the H200; its fp16 envelope and speed are not yet measured.
+    (the model: tests/test_precision_model.py). Re-measured on the H200 with the split
+    (reports/h200/envelope.md, 4b1e5b9): no Inf, fp16 outputs within 0.25 of the rule. Its fp16
+    speed is not yet measured.
   In every 16-bit mode the chunk-state matmul (whose result, final_states, is float32) splits its
   float32 operand in three TF32 terms against the exact 16-bit one: float32-grade states at 3 MMAs
   of a small matmul.
