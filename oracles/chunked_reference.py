@@ -52,6 +52,19 @@ class ChunkedInputs:
     seq: torch.Tensor
     start_pos: torch.Tensor
     start_states: Optional[torch.Tensor]
+    decay_nudge_ulps: int = 0
+
+    def decay(self, exponent: torch.Tensor) -> torch.Tensor:
+        """2^exponent; with decay_nudge_ulps = k, every decay strictly between 0 and 1 moved k
+        float32/float64 ulps up (k > 0) or down (k < 0). 0 and 1 stay exact: every exp2 gets
+        them right."""
+        w = torch.exp2(exponent)
+        if self.decay_nudge_ulps:
+            toward = torch.full_like(w, math.inf if self.decay_nudge_ulps > 0 else 0.0)
+            inside = (w > 0) & (w < 1)
+            for _ in range(abs(self.decay_nudge_ulps)):
+                w = torch.where(inside, torch.nextafter(w, toward), w)
+        return w
 
     @property
     def chunk_size(self) -> int:
@@ -71,8 +84,9 @@ def _chunked(t: torch.Tensor, Q: int, fill=0) -> torch.Tensor:
     return padded.view((b, nchunks, Q) + tuple(t.shape[2:]))
 
 
-def chunk_cumsum(inp: PreparedInputs, Q: int) -> ChunkedInputs:
+def chunk_cumsum(inp: PreparedInputs, Q: int, decay_nudge_ulps: int = 0) -> ChunkedInputs:
     """Stage 1: processed dt per chunk, 0 past seqlen, and its inclusive log2 decay cumsum.
+    decay_nudge_ulps: how the later stages round their decays (``ChunkedInputs.decay``).
 
     dt comes from ``prepare``: the exact softplus in both compute dtypes. In float32 it equals
     the kernels' identity above 20, since there log1p(e^-v) < e^-20 is below half an ulp of v.
@@ -91,7 +105,8 @@ def chunk_cumsum(inp: PreparedInputs, Q: int) -> ChunkedInputs:
     return ChunkedInputs(x=_chunked(inp.x, Q), B=_chunked(inp.B, Q), C=_chunked(inp.C, Q), dt=dt,
                          log2_decay=log2_decay, log2_decay_cumsum=log2_decay.cumsum(dim=-1),
                          seq=seq, start_pos=start_pos,
-                         start_states=inp.initial_states if per_sequence else None)
+                         start_states=inp.initial_states if per_sequence else None,
+                         decay_nudge_ulps=decay_nudge_ulps)
 
 
 def _gather_last(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -116,17 +131,17 @@ def _state_increments(ch: ChunkedInputs, chunk: torch.Tensor, end: torch.Tensor)
     # first position) up to the end.
     contributes = (local <= end[:, None]) & (local >= start[..., None])      # (b, K, Q)
     exponent = torch.where(contributes[:, None], S_end[..., None] - S, -math.inf)
-    weight = torch.exp2(exponent) * ch.dt[:, :, chunk]                       # (b, H, K, Q)
+    weight = ch.decay(exponent) * ch.dt[:, :, chunk]                       # (b, H, K, Q)
     weighted_x = ch.x[:, chunk] * weight.permute(0, 2, 3, 1)[..., None]      # (b, K, Q, H, P)
     increment = torch.einsum("bkjgrp,bkjgn->bkgrpn", weighted_x.view(b, K, Q, G, H // G, P),
                              ch.B[:, chunk]).reshape(b, K, H, P, N)
     carried = (start < 0)[:, None]                                           # (b, 1, K)
-    carry_weight = torch.exp2(torch.where(carried, S_end, -math.inf)).transpose(1, 2)
+    carry_weight = ch.decay(torch.where(carried, S_end, -math.inf)).transpose(1, 2)
     if ch.start_states is not None:
         s = start.clamp(min=0).expand(H, b, K).permute(1, 0, 2)              # (b, H, K)
         # The decay from just before the sequence's first position s: S_end - S_s + a_s <= 0.
         from_start = S_end - _gather_last(S, s) + _gather_last(ch.log2_decay[:, :, chunk], s)
-        start_weight = torch.exp2(torch.where(carried, -math.inf, from_start)).transpose(1, 2)
+        start_weight = ch.decay(torch.where(carried, -math.inf, from_start)).transpose(1, 2)
         sequence = _gather_last(ch.seq[:, chunk], end.expand(b, K))          # (b, K)
         increment = increment + start_weight[..., None, None] * ch.start_states[sequence]
     return carry_weight, increment
@@ -171,11 +186,11 @@ def compute_out(ch: ChunkedInputs, chunk_states: torch.Tensor, inp: PreparedInpu
     # (positive differences, possibly huge) become exp2(-inf) = 0, never inf * 0.
     sees = (local[None, :] <= local[:, None]) & (local[None, :] >= ch.start_pos[..., None])
     exponent = torch.where(sees[:, None], S[..., :, None] - S[..., None, :], -math.inf)
-    decay = torch.exp2(exponent) * ch.dt[..., None, :]                     # (b, H, c, Q_i, Q_j)
+    decay = ch.decay(exponent) * ch.dt[..., None, :]                     # (b, H, c, Q_i, Q_j)
     CB = torch.einsum("bcign,bcjgn->bcgij", ch.C, ch.B)
     scores = CB[:, :, :, None] * decay.view(b, G, R, c, Q, Q).permute(0, 3, 1, 2, 4, 5)
     y = torch.einsum("bcgrij,bcjgrp->bcigrp", scores, ch.x.view(b, c, Q, G, R, P))
-    carried = torch.exp2(torch.where(ch.start_pos[:, None] < 0, S, -math.inf))  # (b, H, c, Q)
+    carried = ch.decay(torch.where(ch.start_pos[:, None] < 0, S, -math.inf))  # (b, H, c, Q)
     stored = chunk_states.to(S.dtype).view(b, c, G, R, P, N)
     y = y + torch.einsum("bcign,bcgrpn->bcigrp", ch.C, stored) * \
         carried.view(b, G, R, c, Q).permute(0, 3, 4, 1, 2)[..., None]
@@ -203,7 +218,7 @@ def _start_state_out(ch: ChunkedInputs, inp: PreparedInputs) -> torch.Tensor:
         exponent = S[:, rows] - S[:, s:s + 1] + ch.log2_decay[0, :, chunk, s:s + 1]
         H0 = ch.start_states[int(ch.seq[0, chunk, s])].view(G, H // G, P, N)
         y_rows = torch.einsum("ign,grpn->igrp", ch.C[0, chunk, rows], H0).reshape(-1, H, P)
-        y[chunk, rows] = y_rows * torch.exp2(exponent).T[..., None]
+        y[chunk, rows] = y_rows * ch.decay(exponent).T[..., None]
     return y.view(1, c * Q, H, P)
 
 
@@ -214,14 +229,16 @@ def _check_dtype(name: str, dtype, allowed) -> None:
 
 def chunked_ssd(problem: SSDProblem, compute_dtype=torch.float64, state_dtype=torch.float32,
                 out_dtype=None, chunk_size: Optional[int] = None,
-                positions: Optional[Sequence[int]] = None) -> SSDResult:
+                positions: Optional[Sequence[int]] = None, decay_nudge_ulps: int = 0) -> SSDResult:
     """The three stages on ``problem``'s device; every intermediate in ``stages``.
 
     compute_dtype float64 or float32: inputs are upcast exactly, all arithmetic is in it.
     state_dtype: how chunk_states are stored (the kernels' fp32 by default; stage 3 and
     varlen_states read the stored values). out_dtype: None rounds out to x's dtype, as the kernels
     store it. chunk_size: overrides problem.chunk_size. final_states, varlen_states and the states
-    after ``positions`` steps come in the compute dtype.
+    after ``positions`` steps come in the compute dtype. decay_nudge_ulps: every decay 2^e in
+    (0, 1) moved that many ulps up or down, an evaluation whose exp2 rounds differently but is
+    no less sound (the accuracy rule's baseline takes the worst of 0, +1 and -1).
     """
     _check_dtype("compute_dtype", compute_dtype, COMPUTE_DTYPES)
     _check_dtype("state_dtype", state_dtype, STORAGE_DTYPES)
@@ -232,10 +249,13 @@ def chunked_ssd(problem: SSDProblem, compute_dtype=torch.float64, state_dtype=to
         raise SSDInputError(f"chunk_size: expected a positive int, got {Q!r}")
     if positions is not None:
         positions = check_positions(problem, positions)
+    if isinstance(decay_nudge_ulps, bool) or not isinstance(decay_nudge_ulps, int):
+        raise SSDInputError(f"decay_nudge_ulps: expected an int, got {decay_nudge_ulps!r}")
 
     # A process-wide TF32 switch would silently turn float32 compute into TF32 on the GPU.
     with _no_tf32():
-        return _chunked_ssd(problem, compute_dtype, state_dtype, out_dtype, Q, positions)
+        return _chunked_ssd(problem, compute_dtype, state_dtype, out_dtype, Q, positions,
+                            decay_nudge_ulps)
 
 
 @contextlib.contextmanager
@@ -248,9 +268,10 @@ def _no_tf32():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def _chunked_ssd(problem, compute_dtype, state_dtype, out_dtype, Q, positions) -> SSDResult:
+def _chunked_ssd(problem, compute_dtype, state_dtype, out_dtype, Q, positions,
+                 decay_nudge_ulps) -> SSDResult:
     inp = prepare(problem, dtype=compute_dtype)
-    ch = chunk_cumsum(inp, Q)
+    ch = chunk_cumsum(inp, Q, decay_nudge_ulps)
     row_start_states = inp.x.new_zeros(problem.batch, problem.nheads, problem.headdim,
                                        problem.dstate)
     for row in range(problem.batch):

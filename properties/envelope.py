@@ -33,7 +33,7 @@ import torch
 from oracles.chunked_reference import chunked_ssd
 from oracles.common import prepare
 from properties import provenance, repro, tolerances
-from properties.check import exact_stages, result_stages, stage_dtype
+from properties.check import baseline_errors, exact_stages, result_stages, stage_dtype
 from properties.impls import Impl, ImplUnavailable, get_impl
 from properties.metrics import error_metrics
 from properties.problems import DTYPE_NAMES, DTYPES, ProblemSpec, build_problem
@@ -230,13 +230,15 @@ def measure_problem(problem, impls: dict[str, Impl], reference: Optional[str]) -
                 dtype = dtypes.setdefault(stage, stage_dtype(problem, stage, got[stage]))
                 measured[name][stage] = error_metrics(got[stage].to(dtype), exact[stage], dtype)
     ref = measured.get(reference, {}) if reference else {}
+    # The rule's baseline is the worst of the reference's three decay roundings (check.judge).
+    rule_baseline = baseline_errors(problem, exact) if ref and "unsupported" not in ref else {}
     for name, stages in measured.items():
         if name == reference or "unsupported" in stages or "unsupported" in ref:
             continue
         for stage, metrics in stages.items():
-            if stage in ref:
+            if stage in rule_baseline:
                 metrics["accuracy_rule"] = _accuracy_rule_ratio(stage, dtypes[stage], metrics,
-                                                                ref[stage])
+                                                                rule_baseline[stage])
     return {"impls": measured, "oracle_agreement": agreement,
             "out_dtypes": {s: _dtype_name(d) for s, d in dtypes.items()},
             "exact_absmax": {s: float(t.abs().max()) for s, t in exact.items()},

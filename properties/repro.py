@@ -251,17 +251,15 @@ def replay_problem(problem: SSDProblem, impl, recorded: Optional[dict] = None,
                    out=sys.stdout) -> dict:
     """Errors of every stage of ``impl`` on ``problem`` against the exact stages and the rule."""
     from properties import check  # noqa: PLC0415
-    from properties.impls import get_impl  # noqa: PLC0415
     exact = check.exact_stages(problem)
     result = impl(problem)
     errors = check.stage_errors(problem, result, exact)
-    baseline = check.stage_errors(problem, get_impl("reference")(problem), exact)
     if impl.name == "reference":
         verdicts = check.apriori_verdicts(problem, result, exact, impl.compute_dtype)
         rule = "the a-priori rounding bound (the reference is its own baseline)"
     else:
-        verdicts = check.judge(problem, errors, baseline, result)
-        rule = "k x reference-fp32 max_abs + floor"
+        verdicts = check.judge(problem, errors, check.baseline_errors(problem, exact), result)
+        rule = "k x reference-fp32 max_abs (worst of decays as rounded, +-1 ulp) + floor"
     by_stage = {v.stage: v for v in verdicts}
     rows = []
     for stage, m in errors.items():

@@ -77,15 +77,20 @@ def group_mappings(draw, max_heads: int = 8) -> tuple[int, int]:
     return nheads, 1 if kind == "one_group" else nheads
 
 
-@st.composite
-def dtype_mixes(draw, x_dtypes: Sequence[str] = ()) -> dict:
-    """x/bc/param/state dtypes from DTYPE_MIXES; x restricted to ``x_dtypes`` when given. B and C
-    in fp16 cannot hold magnitudes below fp16's range, so a regime made for fp32/bf16 subnormal
-    outputs never gets them."""
-    mixes = [m for m in DTYPE_MIXES if not x_dtypes or m[0] in x_dtypes]
+def mixes_for(x_dtypes: Sequence[str] = (), among: Sequence[tuple] = DTYPE_MIXES) -> list[tuple]:
+    """The mixes of ``among`` with x in ``x_dtypes`` (a regime's; empty: any). B and C in fp16
+    cannot hold magnitudes below fp16's range, so a regime made for fp32/bf16 subnormal outputs
+    never gets them."""
+    mixes = [m for m in among if not x_dtypes or m[0] in x_dtypes]
     if x_dtypes and "fp16" not in x_dtypes:
         mixes = [m for m in mixes if "fp16" not in m]
-    x, bc, param, state = draw(st.sampled_from(mixes))
+    return mixes
+
+
+@st.composite
+def dtype_mixes(draw, x_dtypes: Sequence[str] = (), among: Sequence[tuple] = DTYPE_MIXES) -> dict:
+    """x/bc/param/state dtypes from ``mixes_for(x_dtypes, among)``."""
+    x, bc, param, state = draw(st.sampled_from(mixes_for(x_dtypes, among)))
     return dict(x_dtype=x, bc_dtype=bc, param_dtype=param, state_dtype=state)
 
 
@@ -110,13 +115,21 @@ def _allowed(impl: Optional[Impl], feature: str) -> bool:
 def scenarios(draw, impl: Optional[Impl] = None, regimes: Optional[Sequence[str]] = None,
               max_chunks: int = 3, max_batch: int = 2, max_heads: int = 8,
               packed: Optional[bool] = None, initial_states: Optional[bool] = None,
-              z: Optional[bool] = None, chunk_sizes: Optional[Sequence[int]] = None) -> ProblemSpec:
+              z: Optional[bool] = None, chunk_sizes: Optional[Sequence[int]] = None,
+              mixes: Optional[Sequence[tuple]] = None) -> ProblemSpec:
     """A problem recipe: regime, shape, dtypes, features, seed, within what ``impl`` takes.
 
     ``packed``/``initial_states``/``z``: force a feature on (True) or off (False); None draws it.
     Lengths are chunk-boundary lengths half the time, any length up to max_chunks chunks otherwise.
+    ``mixes``: the dtype mixes to draw from (default DTYPE_MIXES); regimes meant for none of them
+    are left out.
     """
-    names = list(regimes) if regimes is not None else sorted(REGIMES)
+    mixes = tuple(mixes) if mixes is not None else DTYPE_MIXES
+    names = [n for n in (regimes if regimes is not None else sorted(REGIMES))
+             if mixes_for(REGIMES[n].x_dtypes, mixes)]
+    if not names:
+        raise ValueError(f"mixes: expected dtype mixes some of the regimes {regimes} are meant "
+                         f"for, got {mixes}")
     regime = REGIMES[draw(st.sampled_from(names), label="regime")]
     Q = draw(st.sampled_from(tuple(chunk_sizes) if chunk_sizes else _supported_chunk_sizes(impl)))
     seqlen = draw(st.one_of(chunk_boundary_lengths(Q, max_chunks),
@@ -131,7 +144,7 @@ def scenarios(draw, impl: Optional[Impl] = None, regimes: Optional[Sequence[str]
         batch=1 if packed else draw(st.integers(1, max_batch)), seqlen=seqlen, nheads=nheads,
         headdim=draw(st.sampled_from(HEADDIMS)), dstate=draw(st.sampled_from(DSTATES)),
         ngroups=ngroups, chunk_size=Q, regime=regime.name, seed=draw(st.integers(0, 2**31 - 1)),
-        **draw(dtype_mixes(regime.x_dtypes)),
+        **draw(dtype_mixes(regime.x_dtypes, mixes)),
         D=draw(st.sampled_from((None, "head", "channel"))) if _allowed(impl, "D") else None,
         z=(draw(st.booleans()) if z is None else z) and _allowed(impl, "z"),
         dt_bias=_allowed(impl, "dt_bias") and draw(st.booleans()),

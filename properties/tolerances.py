@@ -15,6 +15,16 @@ the H200: a single fp32 output, the reference 0.30 ulp from exact, the 3xTF32 ke
 ulp from the reference's result), and no implementation delivering that dtype is owed better than about one rounding.
 A test never loosens a value here without a written reason next to it.
 
+The baseline is the worst of three float32 evaluations (``BASELINE_DECAY_NUDGES``): the reference
+with its decays 2^e as torch's exp2 rounds them, and the same with every decay in (0, 1) one ulp
+higher, and one ulp lower. An exp2 within one ulp (libm's; the GPU's ex2.approx is within about
+two) is as sound as torch's, and on a large carried state that ulp alone moves the result by
+several of its ulps: on the pinned case large-initial-state-mixed-dtypes (initial states of 4000,
+final states up to 17) the reference's final_states error was 1.4e-6 on the H200 and 7.0e-6 on
+the CPU, and on the CPU with every decay one ulp up 3.2e-6, one ulp down 1.1e-5. One evaluation's
+rounding pattern is a sample, not the conditioning; the worst of the three bounds the spread that
+the decays' last bit makes.
+
 Checks where that baseline is the implementation itself (the reference under test) or where no
 oracle runs (metamorphic relations) use the a-priori bounds below instead.
 """
@@ -25,6 +35,8 @@ from dataclasses import dataclass
 import torch
 
 STAGES = ("out", "final_states", "varlen_states", "dt", "log2_decay_cumsum", "chunk_states")
+# The reference's decays as torch rounds them, one ulp up, one ulp down (module docstring).
+BASELINE_DECAY_NUDGES = (0, 1, -1)
 
 
 @dataclass(frozen=True)

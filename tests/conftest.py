@@ -10,12 +10,19 @@ Hypothesis profiles (``--hypothesis-profile NAME``, else ``$MAMBA2_CUTILE_PROFIL
            no example database, so a failure reaches disk only as a repro artifact (failures/).
            Hypothesis loads a built-in profile called ``ci`` when $CI is set; ours is registered
            under the same name afterwards, so it is the one used.
-  gpu      hundreds of examples per property, random, with the example database in .hypothesis/
-           (failures found once are replayed first next time).
-  nightly  thousands of examples, with target-guided search toward the largest error ratios.
+  gpu      hundreds of examples per property (300), random, with the example database in
+           .hypothesis/ (failures found once are replayed first next time).
+  nightly  thousands (3000), with target-guided search toward the largest error ratios.
+
+In gpu and nightly a property taking the ``mixes`` fixture runs as one test item per dtype mix
+(``properties.strategies.DTYPE_MIXES``), each with its share of the examples. On the GPU nearly
+every new draw of dtypes and features compiles kernel variants (seconds each); per mix an item
+compiles only its own, and ``pytest -n`` spreads one property's items over workers. ci keeps one
+item drawing every mix.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -27,6 +34,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from properties import repro
 from properties.impls import ImplUnavailable, get_impl
 from properties.provenance import REPO_ROOT
+from properties.strategies import DTYPE_MIXES
 
 PROFILE_ENV = "MAMBA2_CUTILE_PROFILE"
 IMPL_ENV = "MAMBA2_CUTILE_IMPL"
@@ -41,9 +49,16 @@ _database = DirectoryBasedExampleDatabase(str(REPO_ROOT / ".hypothesis" / "examp
 settings.register_profile("ci", max_examples=200, derandomize=True, database=None,
                           phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
                           **_common)
-settings.register_profile("gpu", max_examples=300, database=_database, **_common)
-settings.register_profile("nightly", max_examples=3000, database=_database,
-                          phases=list(Phase), **_common)
+# Examples per property in the profiles that shard by dtype mix, split evenly over the mixes.
+SHARDED_EXAMPLES = {"gpu": 300, "nightly": 3000}
+settings.register_profile("gpu", max_examples=math.ceil(SHARDED_EXAMPLES["gpu"] / len(DTYPE_MIXES)),
+                          database=_database, **_common)
+settings.register_profile("nightly",
+                          max_examples=math.ceil(SHARDED_EXAMPLES["nightly"] / len(DTYPE_MIXES)),
+                          database=_database, phases=list(Phase), **_common)
+# pytest -n runs a worker per core: torch's own thread pool in each would oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 # The plugin applies --hypothesis-profile after this; without it, the environment or ``ci``.
 settings.load_profile(os.environ.get(PROFILE_ENV) or "ci")
 
@@ -56,6 +71,12 @@ def pytest_addoption(parser):
 
 
 def pytest_generate_tests(metafunc):
+    if "mixes" in metafunc.fixturenames:
+        if settings.get_current_profile_name() in SHARDED_EXAMPLES:
+            metafunc.parametrize("mixes", [(m,) for m in DTYPE_MIXES],
+                                 ids=["-".join(m) for m in DTYPE_MIXES])
+        else:
+            metafunc.parametrize("mixes", [None], ids=["all-mixes"])
     if "impl_name" in metafunc.fixturenames:
         names = [n.strip() for n in metafunc.config.getoption("--impl").split(",") if n.strip()]
         metafunc.parametrize("impl_name", [

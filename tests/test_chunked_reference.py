@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kernels.contract import validate
+from kernels.contract import SSDInputError, validate
 from oracles.chunked_reference import chunked_ssd, ssd_reference
 from oracles.common import LOG2_E, chunk_boundaries
 from oracles.sequential import sequential_ssd
@@ -307,3 +307,31 @@ def test_cuda_matches_cpu():
         assert normwise(getattr(got64, name).cpu(), getattr(ref, name)) <= FLOAT64_TOL
         # fp32 on the GPU means IEEE fp32 matmuls: TF32 (10-bit mantissas) would miss this.
         assert normwise(getattr(got32, name).cpu(), getattr(ref, name)) <= ARITHMETIC_ULPS * U32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("ulps", [1, -1, 2])
+def test_decay_nudge_moves_decays_inside_0_1_by_whole_ulps(dtype, ulps):
+    """The baseline's evaluations with exp2 rounded the other way: 0 (masked) and 1 (no decay)
+    stay exact, every decay in between moves by exactly |ulps| ulps in the asked direction."""
+    from oracles.chunked_reference import ChunkedInputs
+    ch = ChunkedInputs(*([None] * 9), decay_nudge_ulps=ulps)
+    exponent = torch.tensor([-math.inf, 0.0, -1.0, -0.3, -40.0], dtype=dtype)
+    plain, nudged = torch.exp2(exponent), ch.decay(exponent)
+    assert nudged[0] == 0 and nudged[1] == 1
+    expected = plain[2:]
+    for _ in range(abs(ulps)):
+        expected = torch.nextafter(expected, torch.full_like(expected, math.inf if ulps > 0 else 0))
+    assert torch.equal(nudged[2:], expected)
+
+
+def test_decay_nudge_changes_the_float32_result_and_is_validated():
+    problem = build_problem(ProblemSpec(seqlen=70, chunk_size=16, regime="large_initial_state",
+                                        initial_states=True))
+    plain = chunked_ssd(problem, compute_dtype=torch.float32)
+    up = chunked_ssd(problem, compute_dtype=torch.float32, decay_nudge_ulps=1)
+    assert not torch.equal(plain.final_states, up.final_states)
+    moved = (up.final_states - plain.final_states).norm() / plain.final_states.norm()
+    assert moved < 1e-5          # a rounding's worth, nothing structural
+    with pytest.raises(SSDInputError, match="decay_nudge_ulps: expected an int, got 0.5"):
+        chunked_ssd(problem, decay_nudge_ulps=0.5)

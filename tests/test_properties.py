@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from kernels.contract import validate
 from oracles.common import prepare
 from properties import check, repro, tolerances
-from properties.impls import get_impl
+from properties.impls import get_impl, reference
 from properties.problems import ProblemSpec, build_problem
 from properties.regimes import REGIMES
 from properties.strategies import CPU_CHUNK_SIZES, scenarios
@@ -63,7 +63,7 @@ def accuracy_verdicts(impl, problem, result, exact) -> tuple[dict, list]:
     verdicts = []
     record = {"impl": errors}
     if impl.name != REFERENCE.name:
-        baseline = check.stage_errors(problem, REFERENCE(problem), exact)
+        baseline = check.baseline_errors(problem, exact)
         record["baseline"] = baseline
         verdicts += [("k_rule", v) for v in check.judge(problem, errors, baseline, result)]
     if impl.compute_dtype is not None:
@@ -93,8 +93,8 @@ def artifact(impl, name, problem, spec, **options):
 # ---- accuracy --------------------------------------------------------------------------------
 
 @given(data=st.data())
-def test_accuracy_against_float64(impl, data):
-    spec = data.draw(scenarios(impl), label="spec")
+def test_accuracy_against_float64(impl, mixes, data):
+    spec = data.draw(scenarios(impl, mixes=mixes), label="spec")
     problem = build(impl, spec)
     with artifact(impl, "accuracy", problem, spec) as rec:
         assert_accurate(impl, problem, impl(problem), check.exact_stages(problem), rec)
@@ -113,11 +113,11 @@ def test_regressions(impl, case):
 
 
 @given(data=st.data())
-def test_finite_wherever_the_exact_answer_is_finite(impl, data):
+def test_finite_wherever_the_exact_answer_is_finite(impl, mixes, data):
     """Extreme regimes: no NaN/Inf in any stage where the exact value is finite in the stage's
     dtype; where the exact output overflows it, +-inf or a finite value within the accuracy rule's
     allowance of +-max, of the right sign, never NaN."""
-    spec = data.draw(scenarios(impl, regimes=EXTREME_REGIMES), label="spec")
+    spec = data.draw(scenarios(impl, mixes=mixes, regimes=EXTREME_REGIMES), label="spec")
     problem = build(impl, spec)
     with artifact(impl, "finite", problem, spec) as rec:
         result = impl(problem)
@@ -129,7 +129,7 @@ def test_finite_wherever_the_exact_answer_is_finite(impl, data):
         e = exact["out"]
         over = torch.isfinite(e) & (e.abs() > fi.max)
         got = result.out.to(device=e.device, dtype=torch.float64)[over]
-        base = check.stage_errors(problem, REFERENCE(problem), exact)["out"]
+        base = check.baseline_errors(problem, exact)["out"]
         slack = tolerances.tolerance("out", problem.x.dtype).allowed(
             base["max_abs"], tolerances.unit_roundoff(problem.x.dtype) * base["exact_absmax"])
         wrong = (torch.isnan(got) | (torch.sign(got) != torch.sign(e[over]))
@@ -144,12 +144,12 @@ def _flat_positions(stage: torch.Tensor) -> torch.Tensor:
 
 
 @given(data=st.data())
-def test_stages_follow_the_shared_layouts(impl, data):
+def test_stages_follow_the_shared_layouts(impl, mixes, data):
     """Exact structural facts of the shared stage layouts: shapes and dtypes, dt 0 and the cumsum
     flat past seqlen, chunk 0's state the row's starting state, bit for bit."""
     if not impl.exposes_stages:
         pytest.skip(f"{impl.name} does not expose its stages")
-    spec = data.draw(scenarios(impl), label="spec")
+    spec = data.draw(scenarios(impl, mixes=mixes), label="spec")
     problem = build(impl, spec)
     with artifact(impl, "stage-layouts", problem, spec):
         result = impl(problem)
@@ -242,11 +242,11 @@ def sliced(problem, start: int, stop: int, initial_states=None):
 
 
 @given(data=st.data())
-def test_chunk_size_invariance(impl, data):
+def test_chunk_size_invariance(impl, mixes, data):
     sizes = impl.chunk_sizes or CPU_CHUNK_SIZES
     if len(sizes) < 2:
         pytest.skip(f"{impl.name} takes one chunk size only")
-    spec = data.draw(scenarios(impl), label="spec")
+    spec = data.draw(scenarios(impl, mixes=mixes), label="spec")
     other = data.draw(st.sampled_from([q for q in sizes if q != spec.chunk_size]), label="Q2")
     problem = build(impl, spec)
     second = build(impl, replace(spec, chunk_size=other))
@@ -260,10 +260,10 @@ def test_chunk_size_invariance(impl, data):
 
 
 @given(data=st.data())
-def test_split_with_final_state_as_initial_state_equals_unsplit(impl, data):
+def test_split_with_final_state_as_initial_state_equals_unsplit(impl, mixes, data):
     if "initial_states" in impl.unsupported:
         pytest.skip(f"{impl.name}: {impl.unsupported['initial_states']}")
-    spec = data.draw(scenarios(impl, packed=False), label="spec")
+    spec = data.draw(scenarios(impl, mixes=mixes, packed=False), label="spec")
     assume(spec.seqlen >= 2)
     t = data.draw(st.integers(1, spec.seqlen - 1), label="split")
     problem = build(impl, spec)
@@ -277,10 +277,10 @@ def test_split_with_final_state_as_initial_state_equals_unsplit(impl, data):
 
 
 @given(data=st.data())
-def test_packed_batch_equals_sequences_one_by_one(impl, data):
+def test_packed_batch_equals_sequences_one_by_one(impl, mixes, data):
     if "packed" in impl.unsupported:
         pytest.skip(f"{impl.name}: {impl.unsupported['packed']}")
-    spec = data.draw(scenarios(impl, packed=True), label="spec")
+    spec = data.draw(scenarios(impl, mixes=mixes, packed=True), label="spec")
     problem = build(impl, spec)
     with artifact(impl, "packed", problem, spec) as rec:
         packed = impl(problem)
@@ -301,10 +301,10 @@ def test_packed_batch_equals_sequences_one_by_one(impl, data):
 
 
 @given(data=st.data())
-def test_causality(impl, data):
+def test_causality(impl, mixes, data):
     """Changing x, dt, B, C, z at positions >= t changes no output before t and no stage value of
     an earlier position, bit for bit: every masked term is an exact 0."""
-    spec = data.draw(scenarios(impl), label="spec")
+    spec = data.draw(scenarios(impl, mixes=mixes), label="spec")
     assume(spec.seqlen >= 2)
     t = data.draw(st.integers(1, spec.seqlen - 1), label="t")
     other_seed = data.draw(st.integers(0, 2**31 - 1), label="other_seed")
@@ -340,12 +340,12 @@ def _scaled_exactly(t: torch.Tensor, k: int):
 
 
 @given(data=st.data())
-def test_homogeneity_in_x(impl, data):
+def test_homogeneity_in_x(impl, mixes, data):
     """out(2^k x, 2^k h0) == 2^k out(x, h0) (no z): scaling by a power of two commutes with every
     rounding, so only results in the subnormal range (or flushed to zero) may differ: by at most
     an fp32 subnormal per term, and one subnormal spacing of the output dtype."""
     regimes = sorted(set(REGIMES) - RANGE_EDGE_REGIMES)
-    spec = data.draw(scenarios(impl, regimes=regimes, z=False), label="spec")
+    spec = data.draw(scenarios(impl, mixes=mixes, regimes=regimes, z=False), label="spec")
     k = data.draw(st.sampled_from((-2, -1, 1, 2)), label="k")
     problem = build(impl, spec)
     x2, h2 = _scaled_exactly(problem.x, k), _scaled_exactly(problem.initial_states, k)
@@ -368,12 +368,12 @@ def test_homogeneity_in_x(impl, data):
 
 
 @given(data=st.data())
-def test_additivity_in_x(impl, data):
+def test_additivity_in_x(impl, mixes, data):
     """out(x, h0) == out(m x, h0) + out((1 - m) x, 0) for a 0/1 mask m (no z): the parts add to x
     exactly, so only rounding separates the two sides (away from the dtype's range limits, where
     a sum of finite parts may overflow: test_finite_... covers those)."""
     regimes = sorted(set(REGIMES) - RANGE_EDGE_REGIMES)
-    spec = data.draw(scenarios(impl, regimes=regimes, z=False), label="spec")
+    spec = data.draw(scenarios(impl, mixes=mixes, regimes=regimes, z=False), label="spec")
     mask_seed = data.draw(st.integers(0, 2**31 - 1), label="mask_seed")
     problem = build(impl, spec)
     gen = torch.Generator().manual_seed(mask_seed)
@@ -398,9 +398,9 @@ GROUPINGS = ((1, 1), (2, 1), (4, 1), (4, 2), (6, 2), (6, 3), (8, 2), (8, 4))
 
 
 @given(data=st.data())
-def test_group_broadcast_equals_repeated_B_and_C(impl, data):
+def test_group_broadcast_equals_repeated_B_and_C(impl, mixes, data):
     """G < H groups shared by H/G heads each == B and C repeated to one group per head."""
-    spec = data.draw(scenarios(impl), label="spec")
+    spec = data.draw(scenarios(impl, mixes=mixes), label="spec")
     nheads, ngroups = data.draw(st.sampled_from(GROUPINGS[1:]), label="(H, G)")
     spec = replace(spec, nheads=nheads, ngroups=ngroups)
     problem = build(impl, spec)
@@ -434,10 +434,11 @@ def pure_decay_exact(problem) -> dict:
 
 
 @given(data=st.data())
-def test_zero_input_is_pure_decay_of_the_initial_state(impl, data):
+def test_zero_input_is_pure_decay_of_the_initial_state(impl, mixes, data):
     if "initial_states" in impl.unsupported:
         pytest.skip(f"{impl.name}: {impl.unsupported['initial_states']}")
-    spec = data.draw(scenarios(impl, packed=False, initial_states=True), label="spec")
+    spec = data.draw(scenarios(impl, mixes=mixes, packed=False, initial_states=True),
+                     label="spec")
     problem = build(impl, spec)
     problem = problem.with_tensors(x=torch.zeros_like(problem.x))
     with artifact(impl, "pure-decay", problem, spec, x="zeros") as rec:
@@ -450,6 +451,39 @@ def test_regressions_file_is_well_formed():
     for case in REGRESSIONS:
         assert case.get("why"), f"{case['name']}: say why it is pinned"
         build_problem(ProblemSpec.from_dict(case["recipe"]))      # a valid recipe
+
+
+def test_baseline_is_the_worst_of_the_three_decay_roundings():
+    """The pinned case whose fp32 reference error varies most with the decays' last bit: the
+    rule's baseline takes the worst evaluation per stage, above the plain reference's."""
+    case = next(c for c in REGRESSIONS if c["name"] == "large-initial-state-mixed-dtypes")
+    problem = build_problem(ProblemSpec.from_dict(case["recipe"]))
+    exact = check.exact_stages(problem)
+    runs = [check.stage_errors(problem, reference(torch.float32, n)(problem), exact)
+            for n in tolerances.BASELINE_DECAY_NUDGES]
+    baseline = check.baseline_errors(problem, exact)
+    for stage, metrics in baseline.items():
+        assert metrics["max_abs"] == max(run[stage]["max_abs"] for run in runs)
+    assert baseline["final_states"]["max_abs"] > 1.4 * runs[0]["final_states"]["max_abs"]
+
+
+def test_gpu_profile_runs_each_property_once_per_dtype_mix():
+    """gpu and nightly shard a property by dtype mix (compiles per item stay bounded; pytest -n
+    spreads them); ci keeps one item over every mix."""
+    import subprocess
+    import sys
+    from properties.strategies import DTYPE_MIXES
+
+    def items(profile):
+        run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                              "no:cacheprovider", f"--hypothesis-profile={profile}",
+                              f"{__file__}::test_causality"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent.parent, check=True)
+        return [line for line in run.stdout.splitlines() if "::test_causality[" in line]
+
+    assert len(items("gpu")) == len(DTYPE_MIXES)
+    assert settings.get_profile("gpu").max_examples * len(DTYPE_MIXES) >= 300
+    assert items("ci") == ["tests/test_properties.py::test_causality[all-mixes-reference]"]
 
 
 def test_the_ci_profile_is_ours_even_where_hypothesis_loads_its_own():
