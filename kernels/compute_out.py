@@ -19,12 +19,15 @@ precision of ``kernels.tile_ops`` (tensor cores except in the ieee mode).
 
 A NaN or Inf in x, dt or B at position j also reaches the positions before j in its chunk (and
 other sequences packed in it): their masked weight 0 multiplies it inside the MMA.
-Measured on the H200 (bf16, chunk 256, tuned tiles): 1.52 ms at (8, 4096, 64 heads), 1.37 ms with
-'input' precision, so the TF32 rounding of the computed operands is not what bounds it. C_i B_j^T
-is recomputed by every head of a group and every P block. A variant that shares it across 2 or 4
-heads per block (branch perf/compute-out-heads, with dt folded into the weights) was slower in the
-same run: 1.67 ms at best (2 heads, P block 32, occupancy 2), 1.68 ms with one head
-(reports/h200/experiments/).
+Measured on the H200 (bf16, chunk 256, tuned tiles, at (8, 4096, 64 heads); reports/h200/
+experiments/): 1.62 ms in the tuner, 1.42 ms with 'input' precision (bf16 operands). ncu on the
+same kernel with dt folded into the weights (branch perf/operand-fold, 1.62 ms too in TF32; 1.10
+ms in 'input') finds it bound by shared memory, not DRAM (12%) or the tensor pipes: L1/shared
+throughput 61% with 46% of its wavefronts excess (bank conflicts), issue slots 33%, occupancy
+17% (128 registers). The float32 operands (the weights, the state h) travel through shared memory
+as TF32: that traffic, not the MMAs, is what to cut. C_i B_j^T is recomputed by every head of a
+group and every P block; a variant sharing it across 2 or 4 heads (branch perf/compute-out-heads)
+was slower: 1.67 ms at best against 1.52 ms in the same run.
 """
 from __future__ import annotations
 

@@ -21,9 +21,13 @@ The increment is the (headdim x dstate) matmul x^T (w B) on tensor cores (precis
 h <- carry_weight * h + increment, a few FLOPs per element, so the sequential part is a stream
 through memory, not a chain of matmuls, with batch x heads x tiles blocks in flight (the tiles
 shrink until there are a few per SM), each loading the next chunk's increment ahead of its update.
-Measured on the H200 (bf16, chunk 256, tuned tiles; reports/h200/tune.json): the stage takes
-0.90 ms at (8, 4096, 64 heads); with a plain TF32 chunk-state matmul instead of the 3-term split it
-took 0.68 ms (0.92 ms split): ~0.25 ms is the price of float32-grade states.
+Measured on the H200 (bf16, chunk 256, tuned tiles, at (8, 4096, 64 heads); reports/h200/
+experiments/): the stage takes 0.93 ms in the tuner, 0.72 ms with a plain TF32 chunk-state
+matmul: ~0.2 ms is the price of float32-grade states. ncu (on branch perf/operand-fold's
+chunk_state, which weights x instead of B and times the same): chunk_state_kernel 0.74 ms, its
+tensor pipe the busiest (43%; three TF32 MMAs per product), issue slots 52%, occupancy 17%
+(register bound); state_passing_kernel 0.13 ms at 3.96 TB/s (82% of DRAM peak), so the
+increments' round trip through memory costs little.
 """
 from __future__ import annotations
 
