@@ -44,13 +44,17 @@ headdim and dstate, chunk size, x dtype, precision mode), else the heuristics in
 table is written by ``python3 -m kernels.tune`` from H200 measurements (reports/h200/tune.json):
 for bf16, headdim 64, dstate 128, chunk 256 it took the two stages from 3.98 to 2.42 ms at
 (8, 4096, 64 heads) and from 2.12 to 1.34 ms at (4, 8192, 32 heads, 8 groups); occupancy 2 for
-the matmul kernels was the largest single gain. Other keys are untuned.
+the matmul kernels was the largest single gain. Other keys are untuned. A user tunes their own
+shapes with ``python3 -m kernels.tune --shape B,L,H,P,N,G[,dtype] --out DIR --cache``: the winners
+go to a per-user cache (``tuning_cache_path()``, kept per GPU model), which takes precedence over
+the table on that GPU model. Nothing is searched at call time.
 
 Chunk size: 256 by default: on the H200 the anchor shapes ran 3-8% faster than at 128 and 15-30%
 faster than at 64 (bf16, TF32 mode, same TF32 chunk-state configuration; gpu_report --sweep).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -184,17 +188,63 @@ def tuning_key(key: ProblemKey, mode: str) -> dict:
                 x_dtype=str(key.x_dtype).replace("torch.", ""), precision=mode)
 
 
-def _load_tuned(path: str = TUNED_TABLE) -> dict[str, dict]:
-    """kernels/tuned.json (written by ``python3 -m kernels.tune --write-table`` on the H200) by
-    key; empty when absent, so the heuristics below decide."""
+def load_tuning_entries(path: str) -> list[dict]:
+    """The entries of a tuning table (kernels/tuned.json) or of a user's tuning cache; none when
+    the file is absent. A file that is not such a table is an error, never silently ignored."""
     if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        entries = json.load(f)["entries"]
+        return []
+    try:
+        with open(path) as f:
+            entries = json.load(f)["entries"]
+        for e in entries:
+            json.dumps(e["key"], sort_keys=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RuntimeError(f"tuning table {path}: expected the JSON that python3 -m kernels.tune "
+                           f"writes ({{'entries': [{{'key': ..., ...}}]}}), got an unreadable "
+                           f"file ({type(exc).__name__}: {exc}); delete it or point "
+                           f"${TUNING_CACHE_ENV} elsewhere") from exc
+    return entries
+
+
+def _by_key(entries: list[dict]) -> dict[str, dict]:
     return {json.dumps(e["key"], sort_keys=True): e for e in entries}
 
 
-TUNED = _load_tuned()
+TUNED = _by_key(load_tuning_entries(TUNED_TABLE))
+# A user's own winners (python3 -m kernels.tune --shape ... --cache), per GPU model.
+TUNING_CACHE_ENV = "MAMBA2_CUTILE_TUNING_CACHE"
+
+
+def tuning_cache_path() -> str:
+    """$MAMBA2_CUTILE_TUNING_CACHE, else $XDG_CACHE_HOME (default ~/.cache)/mamba2-cutile/
+    tuned.json."""
+    if os.environ.get(TUNING_CACHE_ENV):
+        return os.environ[TUNING_CACHE_ENV]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "mamba2-cutile", "tuned.json")
+
+
+def current_device() -> Optional[str]:
+    """The GPU model calls run on (tuning cache entries are kept per model); None without CUDA."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_entries(path: str, modified: float, device: str) -> dict[str, dict]:
+    return _by_key([e for e in load_tuning_entries(path) if e.get("device") == device])
+
+
+def tuned_entry(tkey: dict) -> dict:
+    """The tiles for a tuning key: the user's tuning cache entry for this GPU model, else
+    kernels/tuned.json's, else none (the heuristics of make_plan decide). Without a CUDA device
+    (CI compiling variants) only the repository's table counts."""
+    key = json.dumps(tkey, sort_keys=True)
+    device, path = current_device(), tuning_cache_path()
+    if device is not None and os.path.exists(path):
+        found = _cached_entries(path, os.path.getmtime(path), device).get(key)
+        if found is not None:
+            return found
+    return TUNED.get(key, {})
 
 
 def _state_passing_tiles(key: ProblemKey, p_pad: int, n_pad: int,
@@ -214,10 +264,10 @@ def _state_passing_tiles(key: ProblemKey, p_pad: int, n_pad: int,
 
 def make_plan(key: ProblemKey, state_dtype: torch.dtype = DEFAULT_STATE_DTYPE,
               precision: Optional[str] = None) -> Plan:
-    """The kernels' variants and tiles for a problem: a pure function of the key (CI compiles the
-    variants it picks for the anchor shapes without a GPU)."""
+    """The kernels' variants and tiles for a problem: a function of the key and, on a GPU, of the
+    user's tuning cache (CI, without a GPU, compiles the variants it picks for the anchor shapes)."""
     mode = resolve_precision(precision, key.x_dtype)
-    tuned = TUNED.get(json.dumps(tuning_key(key, mode), sort_keys=True), {})
+    tuned = tuned_entry(tuning_key(key, mode))
     wide = key.needs_int64()
     Q = key.chunk_size
     row_block = min(ROW_BLOCK, Q)

@@ -2,6 +2,7 @@
 tiles and occupancy hints, at given shapes, on the GPU.
 
     python3 -m kernels.tune --out DIR [--jobs 8] [--shapes 0,1] [--stages compute_out] [--write-table]
+    python3 -m kernels.tune --out DIR --shape 2,2048,32,64,128,1,bfloat16 --cache   # your own shape
 
 Per shape (``SHAPES``: the performance anchors, bf16, and the first in float32) it times, with
 CUDA-event medians on the same inputs: the states stage over every chunk_state candidate (state
@@ -12,6 +13,11 @@ DIR/tune.json; ``--write-table`` also writes the winners, keyed by what the disp
 provenance. Candidates only change tiles and hints, never what is computed; the accuracy grid
 (kernels/gpu_report.py) is run on the tuned table before it is committed. Candidates compile in
 ``--jobs`` worker processes first (cuTile's disk cache then serves this process).
+
+A user's own shapes (``--shape``, repeatable) are tuned the same way; ``--cache`` merges their
+winners into the per-user tuning cache (``kernels.ssd.tuning_cache_path()``), entries kept per GPU
+model, which ``ssd_forward`` then prefers to the table on that model. The tuner is the only thing
+that searches: calls never do.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import itertools
 import json
 import os
 import sys
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
 from multiprocessing import get_context
@@ -34,6 +41,21 @@ from kernels.tile_ops import next_pow2
 TABLE_PATH = os.path.join(os.path.dirname(__file__), "tuned.json")
 SHAPES = ((8, 4096, 64, 64, 128, 1, "bfloat16"), (4, 8192, 32, 64, 128, 8, "bfloat16"),
           (1, 65536, 64, 64, 128, 1, "bfloat16"), (8, 4096, 64, 64, 128, 1, "float32"))
+SHAPE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def parse_shape(text: str) -> tuple:
+    """'B,L,H,P,N,G[,dtype]' -> a tuning shape (dtype: x, B and C; default bfloat16)."""
+    parts = [p.strip() for p in text.split(",")]
+    dtype = parts.pop() if len(parts) == 7 else "bfloat16"
+    try:
+        dims = tuple(int(p) for p in parts)
+    except ValueError:
+        dims = ()
+    if len(dims) != 6 or min(dims) < 1 or dims[2] % dims[5] or dtype not in SHAPE_DTYPES:
+        raise ValueError(f"--shape: expected B,L,H,P,N,G[,dtype] with positive sizes, G dividing "
+                         f"H and dtype one of {SHAPE_DTYPES}, got {text!r}")
+    return (*dims, dtype)
 OCCUPANCIES = (None, 1, 2, 4)
 CANDIDATES = {
     "chunk_state": [dict(row_block=r, p_block=p, n_block=n, occupancy=o) for r, p, n, o in
@@ -192,9 +214,15 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--write-table", action="store_true",
                         help=f"also write the winners to {TABLE_PATH}")
-    parser.add_argument("--shapes", default=",".join(str(i) for i in range(len(SHAPES))),
-                        help="indexes into SHAPES to tune (default: all): " + "; ".join(
-                            f"{i}: {s}" for i, s in enumerate(SHAPES)))
+    parser.add_argument("--shapes", default=None,
+                        help="indexes into SHAPES to tune (default: all, unless --shape is "
+                             "given): " + "; ".join(f"{i}: {s}" for i, s in enumerate(SHAPES)))
+    parser.add_argument("--shape", action="append", default=[], metavar="B,L,H,P,N,G[,dtype]",
+                        help="a shape of your own to tune (repeatable; dtype of x, B, C: "
+                             f"{', '.join(SHAPE_DTYPES)}; default bfloat16)")
+    parser.add_argument("--cache", action="store_true",
+                        help="merge the winners into the per-user tuning cache "
+                             "(kernels.ssd.tuning_cache_path(); $MAMBA2_CUTILE_TUNING_CACHE)")
     parser.add_argument("--stages", default=",".join(CANDIDATES),
                         help="stages to search (default: all; '' for none: a timing of the "
                              "dispatcher's choice); the others keep the dispatcher's choice")
@@ -214,9 +242,15 @@ def main(argv=None) -> int:
     if not set(stages) <= set(CANDIDATES):
         parser.error(f"--stages: expected names from {tuple(CANDIDATES)}, got {args.stages!r}")
     try:
-        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
+        indexes = args.shapes if args.shapes is not None else (
+            "" if args.shape else ",".join(str(i) for i in range(len(SHAPES))))
+        shapes = [SHAPES[int(i)] for i in filter(None, indexes.split(","))]
     except (ValueError, IndexError):
         parser.error(f"--shapes: expected indexes 0..{len(SHAPES) - 1}, got {args.shapes!r}")
+    try:
+        shapes += [parse_shape(text) for text in args.shape]
+    except ValueError as exc:
+        parser.error(str(exc))
     if not torch.cuda.is_available():
         print("tune: no CUDA device visible to torch", file=sys.stderr)
         return 2
@@ -232,14 +266,39 @@ def main(argv=None) -> int:
                   f"{records[-1]['tuned_ms']:.3f} ms", flush=True)
     if args.write_table:
         write_table(table(records, collect(), command))
+    if args.cache:
+        write_cache(table(records, collect(), command))
     return 0
 
 
-def write_table(document: dict) -> None:
-    with open(TABLE_PATH, "w") as f:
+def _write_json(path: str, document: dict) -> None:
+    """Atomically: a reader sees the old file or the new one, never a partial one."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)),
+                                     suffix=".tmp", delete=False) as f:
         json.dump(document, f, indent=1, default=str)
         f.write("\n")
+    os.replace(f.name, path)
+
+
+def write_table(document: dict) -> None:
+    _write_json(TABLE_PATH, document)
     print(f"wrote {TABLE_PATH}: {len(document['entries'])} entries")
+
+
+def write_cache(document: dict, path: str | None = None) -> str:
+    """Merge a table's entries into the user's tuning cache, each stamped with the GPU model it
+    was measured on (provenance device), replacing an earlier entry of the same key and model."""
+    path = path or ssd.tuning_cache_path()
+    device = document["provenance"]["device"]
+    fresh = [dict(entry, device=device, provenance=document["provenance"],
+                  produced_by=document["produced_by"]) for entry in document["entries"]]
+    ids = {(json.dumps(e["key"], sort_keys=True), device) for e in fresh}
+    kept = [e for e in ssd.load_tuning_entries(path)
+            if (json.dumps(e["key"], sort_keys=True), e.get("device")) not in ids]
+    _write_json(path, dict(entries=kept + fresh))
+    print(f"wrote {path}: {len(fresh)} entries for {device} ({len(kept)} others kept)")
+    return path
 
 
 if __name__ == "__main__":

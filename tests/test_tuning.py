@@ -22,7 +22,7 @@ def anchor_key(**kw) -> ssd.ProblemKey:
 
 
 def test_every_entry_fits_the_kernels_it_configures():
-    entries = ssd._load_tuned()
+    entries = ssd.TUNED
     assert entries, "kernels/tuned.json is missing or empty"
     for entry in entries.values():
         key = entry["key"]
@@ -37,7 +37,7 @@ def test_every_entry_fits_the_kernels_it_configures():
 
 
 def test_the_dispatcher_takes_the_table_entry_of_its_key():
-    entry = next(iter(ssd._load_tuned().values()))
+    entry = next(iter(ssd.TUNED.values()))
     key = entry["key"]
     dtype = getattr(torch, key["x_dtype"])
     problem = replace(anchor_key(), headdim=key["headdim"], dstate=key["dstate"],
@@ -92,8 +92,8 @@ def test_table_takes_the_first_shape_of_a_key_and_lists_all(tmp_path, monkeypatc
     assert [m["shape"]["batch"] for m in entry["measured"]] == [8, 1]
     assert written["provenance"]["git_commit"] == "abc"
     assert written["tuned_by"] == "kernels/tune.py --out X"
-    loaded = ssd._load_tuned(str(tmp_path / "tuned.json"))
-    assert list(loaded) == [json.dumps(ssd.tuning_key(anchor_key(), "tf32"), sort_keys=True)]
+    loaded = ssd.load_tuning_entries(str(tmp_path / "tuned.json"))
+    assert [e["key"] for e in loaded] == [ssd.tuning_key(anchor_key(), "tf32")]
 
 
 def test_tuner_candidates_respect_the_problem_sizes():
@@ -107,3 +107,73 @@ def test_tuner_candidates_respect_the_problem_sizes():
 def test_tune_needs_an_output_folder_or_a_saved_run():
     with pytest.raises(SystemExit):
         tune.main([])
+
+
+# ---- the per-user tuning cache (python3 -m kernels.tune --shape ... --cache) ------------------
+
+def _tuned_document(occupancy: int, device: str = "NVIDIA H200") -> dict:
+    best = {"chunk_state": dict(row_block=64, p_block=32, n_block=128, occupancy=occupancy, ms=1.0),
+            "state_passing": dict(p_block=32, n_block=64, occupancy=4, ms=1.0),
+            "compute_out": dict(row_block=64, p_block=32, occupancy=occupancy, ms=1.0)}
+    record = dict(shape=dict(batch=2), key=ssd.tuning_key(anchor_key(), "tf32"), best=best,
+                  default_ms=3.0, tuned_ms=2.0)
+    return tune.table([record], dict(device=device, git_commit="abc"), "python3 -m kernels.tune")
+
+
+def test_the_cache_merges_per_key_and_gpu_model_atomically(tmp_path):
+    path = str(tmp_path / "sub" / "tuned.json")
+    tune.write_cache(_tuned_document(1), path)
+    tune.write_cache(_tuned_document(4, device="NVIDIA A100"), path)
+    tune.write_cache(_tuned_document(2), path)          # replaces the H200 entry of that key
+    entries = ssd.load_tuning_entries(path)
+    assert sorted((e["device"], e["compute_out"]["occupancy"]) for e in entries) == [
+        ("NVIDIA A100", 4), ("NVIDIA H200", 2)]
+    assert all(e["provenance"]["git_commit"] == "abc" for e in entries)
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["tuned.json"]   # no temporaries
+
+
+def test_calls_prefer_the_cache_entry_of_their_gpu_model(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv(ssd.TUNING_CACHE_ENV, str(path))
+    tune.write_cache(_tuned_document(3, device="NVIDIA H200"), str(path))
+    monkeypatch.setattr(ssd, "current_device", lambda: "NVIDIA H200")
+    plan = ssd.make_plan(anchor_key())
+    assert (plan.out.occupancy, plan.out.p_block, plan.chunk_state.occupancy) == (3, 32, 3)
+    # Another GPU model, or no GPU at all (CI compiling variants): the repository's table.
+    table = ssd.TUNED[json.dumps(ssd.tuning_key(anchor_key(), "tf32"), sort_keys=True)]
+    for device in ("NVIDIA A100", None):
+        monkeypatch.setattr(ssd, "current_device", lambda d=device: d)
+        assert ssd.make_plan(anchor_key()).out.occupancy == table["compute_out"]["occupancy"]
+
+
+def test_an_unreadable_cache_is_an_error_that_names_it(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    path.write_text("{not json")
+    monkeypatch.setenv(ssd.TUNING_CACHE_ENV, str(path))
+    monkeypatch.setattr(ssd, "current_device", lambda: "NVIDIA H200")
+    with pytest.raises(RuntimeError, match=f"tuning table {path}: expected the JSON"):
+        ssd.make_plan(anchor_key())
+
+
+def test_the_cache_lives_under_xdg_cache_home_unless_set(tmp_path, monkeypatch):
+    monkeypatch.delenv(ssd.TUNING_CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert ssd.tuning_cache_path() == str(tmp_path / "mamba2-cutile" / "tuned.json")
+    monkeypatch.setenv(ssd.TUNING_CACHE_ENV, "/elsewhere/t.json")
+    assert ssd.tuning_cache_path() == "/elsewhere/t.json"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2,2048,32,64,128,1", (2, 2048, 32, 64, 128, 1, "bfloat16")),
+    ("1, 4096, 8, 128, 64, 2, float32", (1, 4096, 8, 128, 64, 2, "float32")),
+])
+def test_own_shapes_parse(text, expected):
+    assert tune.parse_shape(text) == expected
+
+
+@pytest.mark.parametrize("text", ["2,2048,32,64,128", "2,2048,30,64,128,4", "2,0,32,64,128,1",
+                                  "2,2048,32,64,128,1,int8", "a,b,c,d,e,f"])
+def test_bad_own_shapes_are_refused_with_the_expected_form(text, capsys):
+    with pytest.raises(SystemExit):
+        tune.main(["--out", "/tmp/unused", "--shape", text])
+    assert "--shape: expected B,L,H,P,N,G[,dtype]" in capsys.readouterr().err
