@@ -31,6 +31,7 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+from kernels.ssd import TUNING_CACHE_ENV
 from properties import repro
 from properties.impls import ImplUnavailable, get_impl
 from properties.provenance import REPO_ROOT
@@ -82,6 +83,15 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("impl_name", [
             pytest.param(n, id=n, marks=[pytest.mark.gpu] if n in GPU_IMPLS else [])
             for n in names])
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_user_tuning_cache(tmp_path_factory):
+    """Tests see kernels/tuned.json only, never the tuning cache of whoever runs them."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv(TUNING_CACHE_ENV, str(tmp_path_factory.mktemp("tuning") / "tuned.json"))
+    yield
+    patch.undo()
 
 
 @pytest.fixture
