@@ -760,6 +760,61 @@ def plot_scaling(doc: dict, path: Path) -> bool:
     return True
 
 
+STAGE_COLORS = {"chunk_cumsum": "tab:olive", "fwd_pass_state": "tab:green",
+                "compute_out": "darkgreen"}
+
+
+def plot_shapes(doc: dict, path: Path) -> bool:
+    """Per measured shape, horizontal bars of ms: ours split into its stages (each timed alone,
+    so their sum may differ from the whole call, drawn as a black outline), each peer, and a tick
+    at the copy bound (PNG); False when ours ran on no shape."""
+    shapes = [s for s in doc["shapes"] if s["rows"].get(OURS, {}).get("ms")]
+    if not shapes:
+        return False
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    names = [OURS] + [n for n in PEER_ROWS if any(s["rows"].get(n, {}).get("ms") for s in shapes)]
+    peer_style = {"mamba_ssm": dict(color="tab:blue"),
+                  "fla_kernel": dict(color="moccasin", edgecolor="tab:orange", hatch="//"),
+                  "fla_e2e": dict(color="tab:orange")}
+    height = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(9, 1.8 + 0.45 * len(names) * len(shapes)))
+    for i, shape in enumerate(shapes):
+        for k, name in enumerate(names):
+            row = shape["rows"].get(name, {})
+            y = i + k * height
+            if name == OURS:
+                left = 0.0
+                for stage in STAGES:
+                    ms = shape["rows"].get(f"{OURS}.{stage}", {}).get("ms")
+                    if ms:
+                        ax.barh(y, ms, height, left=left, color=STAGE_COLORS[stage],
+                                label=f"ours: {stage}" if i == 0 else None)
+                        left += ms
+                ax.barh(y, row["ms"], height, fill=False, edgecolor="black",
+                        label="ours: whole call" if i == 0 else None)
+            elif row.get("ms"):
+                ax.barh(y, row["ms"], height, label=name if i == 0 else None, **peer_style[name])
+        ax.plot([shape["copy_bound_ms"]] * 2, [i - height / 2, i + (len(names) - 0.5) * height],
+                color="gray", linestyle="--", label="copy bound" if i == 0 else None)
+    ax.set_yticks([i + (len(names) - 1) * height / 2 for i in range(len(shapes))])
+    ax.set_yticklabels([s["label"] for s in shapes], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (median, L2 flushed)")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4)
+    prov = doc["provenance"]
+    ax.set_title(f"SSD forward per shape, {prov.get('device', '?')}, "
+                 f"commit {str(prov.get('git_commit', '?'))[:7]}, {prov.get('date', '?')[:10]}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
+
+
 def write_json(doc: dict, path: Path) -> Path:
     """Write atomically: a reader (or a run killed mid-write) never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -772,8 +827,9 @@ def write_json(doc: dict, path: Path) -> Path:
 def write_outputs(doc: dict, out_dir: Path) -> list[Path]:
     written = [write_json(doc, out_dir / "bench.json"), out_dir / "bench.txt"]
     written[1].write_text(format_table(doc) + "\n")
-    if plot_scaling(doc, out_dir / "bench_scaling.png"):
-        written.append(out_dir / "bench_scaling.png")
+    for plot, name in ((plot_shapes, "bench_shapes.png"), (plot_scaling, "bench_scaling.png")):
+        if plot(doc, out_dir / name):
+            written.append(out_dir / name)
     return written
 
 
@@ -844,7 +900,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="our chunk size (default: kernels.DEFAULT_CHUNK_SIZE)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder for bench.json, bench.txt and bench_scaling.png (default "
+                        help="folder for bench.json, bench.txt, bench_shapes.png and "
+                             "bench_scaling.png (default "
                              "reports/<device>/; with --check nothing is written unless given)")
     parser.add_argument("--check", type=Path, default=None, metavar="BASELINE",
                         help="a committed bench.json: fail, naming the shape, where ours/peer time "

@@ -389,6 +389,15 @@ def test_plot(tmp_path):
     assert not bench.plot_scaling(_doc(_record(LABEL_A, 0.5, {})), tmp_path / "none.png")
 
 
+def test_shapes_plot(tmp_path):
+    doc = _doc(_record(LABEL_A, 0.5, {"mamba_ssm": 1.0, "fla_e2e": 2.0}),
+               _record(LABEL_B, None, {"mamba_ssm": 1.0}))
+    path = tmp_path / "shapes.png"
+    assert bench.plot_shapes(doc, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size < 150_000
+    assert not bench.plot_shapes(_doc(_record(LABEL_B, None, {})), tmp_path / "none.png")
+
+
 def test_outputs_written_from_results(tmp_path):
     results = tmp_path / "bench.json"
     record = _record(LABEL_A, 0.5, {"mamba_ssm": 1.0}, tags=("scaling",))
@@ -397,7 +406,7 @@ def test_outputs_written_from_results(tmp_path):
     assert bench.main(_args(results=results, out=out)) == 0
     assert json.loads((out / "bench.json").read_text())["shapes"][0]["label"] == LABEL_A
     assert LABEL_A in (out / "bench.txt").read_text()
-    assert (out / "bench_scaling.png").exists()
+    assert (out / "bench_scaling.png").exists() and (out / "bench_shapes.png").exists()
     assert math.isclose(json.loads((out / "bench.json").read_text())["copy_probe"]["gbps"], 4000.0)
 
 
