@@ -131,7 +131,7 @@ def _state_increments(ch: ChunkedInputs, chunk: torch.Tensor, end: torch.Tensor)
     # first position) up to the end.
     contributes = (local <= end[:, None]) & (local >= start[..., None])      # (b, K, Q)
     exponent = torch.where(contributes[:, None], S_end[..., None] - S, -math.inf)
-    weight = ch.decay(exponent) * ch.dt[:, :, chunk]                       # (b, H, K, Q)
+    weight = ch.decay(exponent) * ch.dt[:, :, chunk]                         # (b, H, K, Q)
     weighted_x = ch.x[:, chunk] * weight.permute(0, 2, 3, 1)[..., None]      # (b, K, Q, H, P)
     increment = torch.einsum("bkjgrp,bkjgn->bkgrpn", weighted_x.view(b, K, Q, G, H // G, P),
                              ch.B[:, chunk]).reshape(b, K, H, P, N)
@@ -186,7 +186,7 @@ def compute_out(ch: ChunkedInputs, chunk_states: torch.Tensor, inp: PreparedInpu
     # (positive differences, possibly huge) become exp2(-inf) = 0, never inf * 0.
     sees = (local[None, :] <= local[:, None]) & (local[None, :] >= ch.start_pos[..., None])
     exponent = torch.where(sees[:, None], S[..., :, None] - S[..., None, :], -math.inf)
-    decay = ch.decay(exponent) * ch.dt[..., None, :]                     # (b, H, c, Q_i, Q_j)
+    decay = ch.decay(exponent) * ch.dt[..., None, :]                       # (b, H, c, Q_i, Q_j)
     CB = torch.einsum("bcign,bcjgn->bcgij", ch.C, ch.B)
     scores = CB[:, :, :, None] * decay.view(b, G, R, c, Q, Q).permute(0, 3, 1, 2, 4, 5)
     y = torch.einsum("bcgrij,bcjgrp->bcigrp", scores, ch.x.view(b, c, Q, G, R, P))
