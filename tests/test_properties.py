@@ -10,7 +10,7 @@ input == pure decay (a closed form). Also: the shared stage layouts, finiteness 
 answer is finite, and mpmath spot checks of the float64 tier (outside the per-example loop).
 
 Every failing example saves a repro artifact (``properties.repro``) before it raises; Hypothesis
-steers toward large error ratios with ``target``, one label per rule and stage.
+steers toward large error ratios with ``target``, one label per rule, stage and sign of the error.
 """
 from __future__ import annotations
 
@@ -72,13 +72,31 @@ def accuracy_verdicts(impl, problem, result, exact) -> tuple[dict, list]:
     return record, verdicts
 
 
+def signed_errors(result, exact) -> dict[str, tuple[float, float]]:
+    """Per stage, (largest impl - exact, largest exact - impl) over the finite entries: an
+    implementation may err high in one regime and low in another, and each side gets its own
+    hill to climb."""
+    extremes = {}
+    for stage, got in check.result_stages(result).items():
+        if stage in exact:
+            e = exact[stage]
+            d = (got.to(device=e.device, dtype=torch.float64) - e)[torch.isfinite(e)]
+            d = d[torch.isfinite(d)]
+            if d.numel():
+                extremes[stage] = (float(d.max()), float(-d.min()))
+    return extremes
+
+
 def assert_accurate(impl, problem, result, exact, rec, steer: bool = True) -> None:
-    """steer: report error / allowed to Hypothesis' targeting (only inside @given)."""
+    """steer: report the signed errors over the allowance to Hypothesis' targeting, per rule,
+    stage and sign (only inside @given)."""
     errors, verdicts = accuracy_verdicts(impl, problem, result, exact)
     rec.errors.update(errors)
-    for rule, v in verdicts:
-        if steer and math.isfinite(v.error):
-            target(v.error / v.allowed, label=f"{rule}:{v.stage}")
+    if steer:
+        extremes = signed_errors(result, exact)
+        for rule, v in verdicts:
+            for sign, error in zip("+-", extremes.get(v.stage, ())):
+                target(error / v.allowed, label=f"{rule}:{v.stage}:{sign}")
     bad = [f"{rule}: {v.describe()}" for rule, v in verdicts if not v.ok]
     first = check.first_failing([v for _, v in verdicts])
     assert not bad, (f"{impl.name} breaks the accuracy rule; first stage: "
@@ -443,6 +461,18 @@ def test_zero_input_is_pure_decay_of_the_initial_state(impl, mixes, data):
     problem = problem.with_tensors(x=torch.zeros_like(problem.x))
     with artifact(impl, "pure-decay", problem, spec, x="zeros") as rec:
         assert_accurate(impl, problem, impl(problem), pure_decay_exact(problem), rec)
+
+
+def test_signed_errors_see_each_side_of_the_exact_value():
+    problem = build_problem(ProblemSpec(seqlen=20))
+    result = REFERENCE(problem)
+    exact = {stage: t.to(torch.float64).clone()
+             for stage, t in check.result_stages(result).items()}
+    exact["out"][0, 3, 0, 0] -= 1.0          # the implementation above the exact value by 1
+    exact["out"][0, 7, 0, 1] += 2.0          # and below it by 2 elsewhere
+    exact["out"][0, 9, 0, 2] = math.inf      # an entry without a finite exact value: ignored
+    high, low = signed_errors(result, exact)["out"]
+    assert (high, low) == (1.0, 2.0)
 
 
 def test_regressions_file_is_well_formed():
