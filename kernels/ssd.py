@@ -239,12 +239,14 @@ def tuned_entry(tkey: dict) -> dict:
     kernels/tuned.json's, else none (the heuristics of make_plan decide). Without a CUDA device
     (CI compiling variants) only the repository's table counts."""
     key = json.dumps(tkey, sort_keys=True)
-    device, path = current_device(), tuning_cache_path()
-    if device is not None and os.path.exists(path):
-        found = _cached_entries(path, os.path.getmtime(path), device).get(key)
-        if found is not None:
-            return found
-    return TUNED.get(key, {})
+    path = tuning_cache_path()
+    try:            # every call passes here: one stat when there is no cache, nothing more
+        modified = os.path.getmtime(path)
+    except OSError:
+        return TUNED.get(key, {})
+    device = current_device()
+    found = None if device is None else _cached_entries(path, modified, device).get(key)
+    return TUNED.get(key, {}) if found is None else found
 
 
 def _state_passing_tiles(key: ProblemKey, p_pad: int, n_pad: int,

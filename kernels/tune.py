@@ -42,6 +42,19 @@ TABLE_PATH = os.path.join(os.path.dirname(__file__), "tuned.json")
 SHAPES = ((8, 4096, 64, 64, 128, 1, "bfloat16"), (4, 8192, 32, 64, 128, 8, "bfloat16"),
           (1, 65536, 64, 64, 128, 1, "bfloat16"), (8, 4096, 64, 64, 128, 1, "float32"))
 SHAPE_DTYPES = ("bfloat16", "float16", "float32")
+OCCUPANCIES = (None, 1, 2, 4)
+CANDIDATES = {
+    "chunk_state": [dict(row_block=r, p_block=p, n_block=n, occupancy=o) for r, p, n, o in
+                    itertools.product((64, 128), (32, 64), (64, 128), OCCUPANCIES)],
+    "state_passing": [dict(p_block=p, n_block=n, occupancy=o) for (p, n), o in
+                      itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
+                                        (None, 4, 8, 16))],
+    "compute_out": [dict(row_block=r, p_block=p, occupancy=o) for r, p, o in
+                    itertools.product((64, 128), (32, 64), OCCUPANCIES)],
+}
+FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
+# What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
+PRECISION_PROBES = {"chunk_state": ("tf32", "input"), "compute_out": ("input",)}
 
 
 def parse_shape(text: str) -> tuple:
@@ -56,19 +69,7 @@ def parse_shape(text: str) -> tuple:
         raise ValueError(f"--shape: expected B,L,H,P,N,G[,dtype] with positive sizes, G dividing "
                          f"H and dtype one of {SHAPE_DTYPES}, got {text!r}")
     return (*dims, dtype)
-OCCUPANCIES = (None, 1, 2, 4)
-CANDIDATES = {
-    "chunk_state": [dict(row_block=r, p_block=p, n_block=n, occupancy=o) for r, p, n, o in
-                    itertools.product((64, 128), (32, 64), (64, 128), OCCUPANCIES)],
-    "state_passing": [dict(p_block=p, n_block=n, occupancy=o) for (p, n), o in
-                      itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
-                                        (None, 4, 8, 16))],
-    "compute_out": [dict(row_block=r, p_block=p, occupancy=o) for r, p, o in
-                    itertools.product((64, 128), (32, 64), OCCUPANCIES)],
-}
-FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
-# What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
-PRECISION_PROBES = {"chunk_state": ("tf32", "input"), "compute_out": ("input",)}
+
 
 
 def shape_inputs(shape, seqlen=None) -> dict:

@@ -231,7 +231,8 @@ def measure_problem(problem, impls: dict[str, Impl], reference: Optional[str]) -
                 measured[name][stage] = error_metrics(got[stage].to(dtype), exact[stage], dtype)
     ref = measured.get(reference, {}) if reference else {}
     # The rule's baseline is the worst of the reference's three decay roundings (check.judge).
-    rule_baseline = baseline_errors(problem, exact) if ref and "unsupported" not in ref else {}
+    rule_baseline = (baseline_errors(problem, exact, plain=ref)
+                     if ref and "unsupported" not in ref else {})
     for name, stages in measured.items():
         if name == reference or "unsupported" in stages or "unsupported" in ref:
             continue
