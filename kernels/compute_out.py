@@ -14,7 +14,7 @@ the positions before it in the chunk.
 A block owns ROW_BLOCK rows of one chunk for one head and P_BLOCK channels; it walks the row
 blocks j <= i of its chunk like causal attention: S = C_i B_j^T (dstate contraction), masked decay
 weights L_ij = 2^(S_i - S_j) (exponent masked before exp2, so a masked entry is 0, never inf * 0),
-then y += (S o L) (dt_j x_j). The three matmuls are MMAs with float32 accumulation at the
+then y += (S o L dt_j) x_j. The three matmuls are MMAs with float32 accumulation at the
 precision of ``kernels.tile_ops`` (tensor cores except in the ieee mode).
 
 A NaN or Inf in x, dt or B at position j also reaches the positions before j in its chunk (and
@@ -105,8 +105,10 @@ def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, se
                             padding_mode=ZERO).reshape((ROW_BLOCK,))
             sees = sees & (seq_j[None, :] == seq_i[:, None])
         exponent = log2_decay_between(hi_i[:, None], lo_i[:, None], hi_j[None, :], lo_j[None, :])
-        decay = ct.where(sees, exp2_nonpos(exponent), 0.0)
-        y = precise_mma(scores * decay, x_j.astype(ct.float32) * dt_j[:, None], y, MODE, x.dtype)
+        # dt_j joins the weights, so x_j enters the MMA as loaded: a 16-bit x is exact in TF32
+        # and the split modes cut only the weights.
+        weights = scores * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[None, :])
+        y = precise_mma(weights, x_j, y, MODE, x.dtype)
 
     if PER_SEQ_START:
         # Sequences that begin inside this chunk and reach these rows, each from its own H0.

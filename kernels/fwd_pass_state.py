@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
+from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, is_16bit,
                               index_variants, kernel_signature, load_log2_cumsum, log2_cumsum_at,
                               log2_decay_between, log2_decay_since, precise_mma,
                               scalar_constraint)
@@ -102,8 +102,16 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
             keep = keep & (seq_rows == seq_end)
         w = ct.where(keep, dt_rows * exp2_nonpos(log2_decay_between(hi_end, lo_end, hi_rows,
                                                                     lo_rows)), 0.0)
-        acc = precise_mma(x_rows.transpose(), B_rows.astype(ct.float32) * w[:, None], acc, MODE,
-                          x.dtype)
+        # The weights ride on one operand; the other stays as loaded. A 16-bit operand left alone
+        # is exact in TF32, so the split modes cut only the weighted one, in 3 terms (~2^-33 per
+        # product) instead of both in 2 (~2^-22). Between operands of one kind, weighting the
+        # smaller tile costs fewer elementwise ops and splits.
+        if is_16bit(x) == is_16bit(B) and P_BLOCK <= N_BLOCK or is_16bit(B) and not is_16bit(x):
+            acc = precise_mma((x_rows.astype(ct.float32) * w[:, None]).transpose(), B_rows, acc,
+                              MODE, x.dtype)
+        else:
+            acc = precise_mma(x_rows.transpose(), B_rows.astype(ct.float32) * w[:, None], acc,
+                              MODE, x.dtype)
 
     if PER_SEQ_START:
         # seq(e) began at r = cu_seqlens[seq(e)] inside this chunk (when not carried) from its own

@@ -112,7 +112,8 @@ def log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk, start, hi_to,
 
 
 @ct.function
-def _is_16bit(t):
+def is_16bit(t):
+    """Whether t is bf16 or fp16 (then exact in TF32)."""
     return t.dtype == ct.bfloat16 or t.dtype == ct.float16
 
 
@@ -150,7 +151,7 @@ def _exact_times_split(exact, split_me, acc, EXACT_LEFT: ct.Constant[bool]):
 def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
     """acc + a @ b in float32 at the precision MODE names (module docstring). LOW_DTYPE is the
     16-bit dtype of MODE_INPUT (ignored by the other modes)."""
-    if a.dtype == b.dtype and _is_16bit(a):
+    if a.dtype == b.dtype and is_16bit(a):
         acc = ct.mma(a, b, acc)
     elif MODE == MODE_IEEE:
         acc = ct.mma(a.astype(ct.float32), b.astype(ct.float32), acc)
@@ -158,9 +159,9 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
         acc = ct.mma(_tf32(a.astype(ct.float32)), _tf32(b.astype(ct.float32)), acc)
     elif MODE == MODE_INPUT:
         acc = ct.mma(a.astype(LOW_DTYPE), b.astype(LOW_DTYPE), acc)
-    elif _is_16bit(a):
+    elif is_16bit(a):
         acc = _exact_times_split(a, b.astype(ct.float32), acc, True)
-    elif _is_16bit(b):
+    elif is_16bit(b):
         acc = _exact_times_split(b, a.astype(ct.float32), acc, False)
     else:
         a_hi, a_lo = _tf32_split(a.astype(ct.float32))

@@ -2,7 +2,8 @@
 for the bug the H200 envelope found at df0e3df).
 
 With fp16 x, the default mode was "tf32": the computed operands of the output's two matmuls (the
-state h in C h^T, the decayed scores and dt x in the intra-chunk product) rounded to TF32, whose
+state h in C h^T, and then the decayed scores and dt x in the intra-chunk product; dt has since
+joined the scores and x enters exact, as modelled here) rounded to TF32, whose
 11 bits are fp16's own. In the envelope's large-magnitude fp16 cells terms of ~1e7 cancel to
 outputs near fp16's limit, and the H200 returned Inf at 31 and 3 positions whose exact value is
 finite. This model follows compute_out_kernel's factorisation and 64-row blocks from the float32
@@ -44,14 +45,17 @@ def split(t: torch.Tensor, terms: int) -> list[torch.Tensor]:
     return parts
 
 
-def mma(mode: str, a: torch.Tensor, b: torch.Tensor, a_exact: bool) -> torch.Tensor:
-    """a @ b as kernels.tile_ops.precise_mma computes it; a_exact: ``a`` is a 16-bit input."""
+def mma(mode: str, a: torch.Tensor, b: torch.Tensor, exact: str) -> torch.Tensor:
+    """a @ b as kernels.tile_ops.precise_mma computes it; exact: "a" or "b" names the operand
+    that is a 16-bit input (exact in TF32), "" neither."""
     if mode == "ieee":
         return a @ b
     if mode == "tf32":
         return tf32(a) @ tf32(b)
-    if mode == "3xtf32" and a_exact:
+    if mode == "3xtf32" and exact == "a":
         return sum(a @ term for term in reversed(split(b, 3)))
+    if mode == "3xtf32" and exact == "b":
+        return sum(term @ b for term in reversed(split(a, 3)))
     if mode == "3xtf32":
         (a_hi, a_lo), (b_hi, b_lo) = split(a, 2), split(b, 2)
         return a_lo @ b_hi + a_hi @ b_lo + a_hi @ b_hi
@@ -70,19 +74,19 @@ def model_out(problem, chunk_states: torch.Tensor, mode: str) -> torch.Tensor:
     C = ch.C.repeat_interleave(per_group, dim=3).permute(0, 1, 3, 2, 4)  # (b, c, H, Q, N)
     B = ch.B.repeat_interleave(per_group, dim=3).permute(0, 1, 3, 2, 4)
     x = ch.x.permute(0, 1, 3, 2, 4)                                      # (b, c, H, Q, P)
-    y = mma(mode, C, chunk_states.to(torch.float32).transpose(-1, -2), True)
+    y = mma(mode, C, chunk_states.to(torch.float32).transpose(-1, -2), "a")
     y = y * torch.exp2(S.clamp(max=0.0))[..., None]
     local = torch.arange(Q)
     decay = torch.where(local[None, :] <= local[:, None],
                         torch.exp2((S[..., :, None] - S[..., None, :]).clamp(max=0.0)), 0.0)
-    weights, values = (C @ B.transpose(-1, -2)) * decay, x * dt[..., None]
+    weights = (C @ B.transpose(-1, -2)) * (decay * dt[..., None, :])
     blocks = []
     for i in range(Q // ROW_BLOCK):
         rows = slice(i * ROW_BLOCK, (i + 1) * ROW_BLOCK)
         acc = y[..., rows, :]
         for j in range(i + 1):
             cols = slice(j * ROW_BLOCK, (j + 1) * ROW_BLOCK)
-            acc = acc + mma(mode, weights[..., rows, cols], values[..., cols, :], False)
+            acc = acc + mma(mode, weights[..., rows, cols], x[..., cols, :], "b")
         blocks.append(acc)
     y = torch.cat(blocks, dim=-2).permute(0, 1, 3, 2, 4).reshape(b, c * Q, H, P)[:, :problem.seqlen]
     if inp.D is not None:
