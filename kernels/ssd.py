@@ -19,7 +19,8 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
   - bf16 x: "tf32" by default: raw 16-bit products (C.B^T) run in the input dtype, exact;
     computed operands (decay-weighted scores, dt*x, states) of the output's matmuls are rounded to
     TF32 (2^-11), 8x below bf16's own rounding (2^-8). "input" rounds them to bf16 instead, as
-    mamba_ssm does.
+    mamba_ssm does. "2xbf16" (opt-in, not yet measured on the GPU) cuts them into two bf16 terms
+    instead (~2^-18 relative), with the chunk-state matmul in three ("3xbf16").
   - fp16 x: "3xtf32" by default. TF32 keeps fp16's own 11 bits, so rounding the computed operands
     to it costs an fp16 rounding of every *term* of an output, and terms can be far larger than the
     output they cancel to: on the H200 envelope's large-magnitude fp16 cells (terms ~1e7, outputs
@@ -88,6 +89,8 @@ STATE_N_BLOCK = 64
 TUNED_TABLE = os.path.join(os.path.dirname(__file__), "tuned.json")
 # What precision='auto' means per x dtype (module docstring says why).
 AUTO_PRECISION = {torch.float32: "ieee", torch.bfloat16: "tf32", torch.float16: "3xtf32"}
+# Opt-in modes for bf16 x only (kernels/tile_ops.py); their chunk-state matmul runs 3xbf16.
+BF16_SPLITS = ("2xbf16", "3xbf16")
 
 
 @dataclass(frozen=True)
@@ -172,12 +175,18 @@ def resolve_precision(precision: Optional[str], x_dtype: torch.dtype) -> str:
         raise SSDInputError("precision: expected 'input' only with bf16/fp16 x (it rounds MMA "
                             "operands to x's 16-bit dtype), got 'input' with float32 x; use "
                             "'tf32' for a fast float32 mode")
+    if precision in BF16_SPLITS and x_dtype != torch.bfloat16:
+        raise SSDInputError(f"precision: expected {precision!r} only with bf16 x (it cuts MMA "
+                            f"operands into bf16 terms against raw bf16 ones), got it with "
+                            f"{str(x_dtype).replace('torch.', '')} x")
     return precision
 
 
 def state_precision(mode: str, x_dtype: torch.dtype) -> str:
     """The mode of the chunk-state matmul: float32-grade for 16-bit x (final_states are float32),
-    the user's mode for float32 x."""
+    in bf16 terms when the output's mode is, the user's mode for float32 x."""
+    if mode in BF16_SPLITS:
+        return "3xbf16"
     return "3xtf32" if x_dtype != torch.float32 and mode in ("tf32", "input") else mode
 
 
@@ -422,7 +431,8 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     Arguments as ``mamba_chunk_scan_combined`` (kernels.contract documents them). chunk_size None
     takes DEFAULT_CHUNK_SIZE; supported: 64, 128, 256. headdim and dstate up to 256. Inputs may be
     non-contiguous (the kernels read through strides). state_dtype: dtype of the stored chunk
-    states (float32 default); precision: 'auto' (default), 'ieee', '3xtf32', 'tf32' or 'input'
+    states (float32 default); precision: 'auto' (default), 'ieee', '3xtf32', 'tf32', 'input',
+    '2xbf16' or '3xbf16'
     (see the module docstring).
     """
     problem = validate(x, dt, A, B, C, DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,

@@ -12,6 +12,14 @@ Precision modes (``ct.mma`` operands; accumulation is always float32):
             is split in three (hi + mid + lo, 33 bits), so each product is exact to ~2^-33.
     tf32    operands rounded to TF32 (10-bit mantissa, ~2^-11 relative per operand).
     input   operands rounded to the 16-bit input dtype (bf16 / fp16), mamba_ssm's choice.
+    2xbf16  for bf16 inputs: against a raw bf16 operand, the float32 one is cut into 2 bf16 terms
+            (hi + lo, rounded to nearest: 2 x 8 bits, ~2^-18 relative per product) on bf16
+            tensor cores, 2 MMAs. The operands keep bf16's bytes and layouts through shared
+            memory, where TF32 ones cost the output kernel most of its time (ncu on the H200).
+    3xbf16  the same in 3 bf16 terms (~2^-27 relative: float32-grade), 3 bf16 MMAs, which take
+            the tensor cores half the time of 3xtf32's three TF32 ones.
+            Both fall back to the 3xtf32 split where neither operand is raw bf16 (fp16 or float32
+            inputs: an fp16 term would overflow where float32 operands exceed 65504).
 
 A product of two raw 16-bit inputs of one dtype (C . B^T with bf16 B and C) is exact in every mode
 and always runs in that dtype.
@@ -30,9 +38,10 @@ LOG2_E = math.log2(math.e)
 # Every kernel treats softplus(v) as v above this (e^-20 ~ 2e-9 absolute), as the contract allows.
 SOFTPLUS_IDENTITY_THRESHOLD = 20.0
 
-PRECISIONS = ("ieee", "3xtf32", "tf32", "input")
+PRECISIONS = ("ieee", "3xtf32", "tf32", "input", "2xbf16", "3xbf16")
 MODE = {name: i for i, name in enumerate(PRECISIONS)}
-MODE_IEEE, MODE_3XTF32, MODE_TF32, MODE_INPUT = (MODE[p] for p in PRECISIONS)
+(MODE_IEEE, MODE_3XTF32, MODE_TF32, MODE_INPUT, MODE_2XBF16,
+ MODE_3XBF16) = (MODE[p] for p in PRECISIONS)
 
 CT_DTYPE = {torch.float32: ct.float32, torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,
             torch.int32: ct.int32, torch.int64: ct.int64}
@@ -118,8 +127,14 @@ def is_16bit(t):
 
 
 @ct.function
+def _round(a, DTYPE: ct.Constant):
+    """float32 ``a`` rounded to nearest in DTYPE (tfloat32 or bfloat16)."""
+    return a.astype(DTYPE, rounding_mode=ct.RoundingMode.RN)
+
+
+@ct.function
 def _tf32(a):
-    return a.astype(ct.tfloat32, rounding_mode=ct.RoundingMode.RN)
+    return _round(a, ct.tfloat32)
 
 
 @ct.function
@@ -130,21 +145,29 @@ def _tf32_split(a):
 
 
 @ct.function
-def _exact_times_split(exact, split_me, acc, EXACT_LEFT: ct.Constant[bool]):
-    """acc + exact @ split_me (or split_me @ exact): ``exact`` is exact in TF32 (a 16-bit input),
-    ``split_me`` float32 in three TF32 terms, so every product is exact to ~2^-33."""
-    e = exact.astype(ct.tfloat32)
-    hi = _tf32(split_me)
-    rest = split_me - hi.astype(ct.float32)
-    mid = _tf32(rest)
-    lo = _tf32(rest - mid.astype(ct.float32))
-    # Small terms first: they are then added to a small accumulator, not lost in a large one.
-    for term in ct.static_iter((lo, mid, hi)):
-        if EXACT_LEFT:
-            acc = ct.mma(e, term, acc)
-        else:
-            acc = ct.mma(term, e, acc)
+def _oriented_mma(exact, term, acc, EXACT_LEFT: ct.Constant[bool]):
+    if EXACT_LEFT:
+        acc = ct.mma(exact, term, acc)
+    else:
+        acc = ct.mma(term, exact, acc)
     return acc
+
+
+@ct.function
+def _exact_times_split(exact, split_me, acc, EXACT_LEFT: ct.Constant[bool], DTYPE: ct.Constant,
+                       TERMS: ct.Constant[int]):
+    """acc + exact @ split_me (or split_me @ exact): ``exact`` is exact in DTYPE (a 16-bit input),
+    ``split_me`` float32 cut into TERMS (2 or 3) terms of DTYPE, hi + mid [+ lo], each rounded to
+    nearest from what the earlier ones left: 11 more bits per TF32 term, 8 per bf16 term."""
+    e = exact.astype(DTYPE)
+    hi = _round(split_me, DTYPE)
+    rest = split_me - hi.astype(ct.float32)
+    mid = _round(rest, DTYPE)
+    # Small terms first: they are then added to a small accumulator, not lost in a large one.
+    if TERMS == 3:
+        acc = _oriented_mma(e, _round(rest - mid.astype(ct.float32), DTYPE), acc, EXACT_LEFT)
+    acc = _oriented_mma(e, mid, acc, EXACT_LEFT)
+    return _oriented_mma(e, hi, acc, EXACT_LEFT)
 
 
 @ct.function
@@ -159,10 +182,16 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
         acc = ct.mma(_tf32(a.astype(ct.float32)), _tf32(b.astype(ct.float32)), acc)
     elif MODE == MODE_INPUT:
         acc = ct.mma(a.astype(LOW_DTYPE), b.astype(LOW_DTYPE), acc)
+    elif (MODE == MODE_2XBF16 or MODE == MODE_3XBF16) and a.dtype == ct.bfloat16:
+        acc = _exact_times_split(a, b.astype(ct.float32), acc, True, ct.bfloat16,
+                                 2 if MODE == MODE_2XBF16 else 3)
+    elif (MODE == MODE_2XBF16 or MODE == MODE_3XBF16) and b.dtype == ct.bfloat16:
+        acc = _exact_times_split(b, a.astype(ct.float32), acc, False, ct.bfloat16,
+                                 2 if MODE == MODE_2XBF16 else 3)
     elif is_16bit(a):
-        acc = _exact_times_split(a, b.astype(ct.float32), acc, True)
+        acc = _exact_times_split(a, b.astype(ct.float32), acc, True, ct.tfloat32, 3)
     elif is_16bit(b):
-        acc = _exact_times_split(b, a.astype(ct.float32), acc, False)
+        acc = _exact_times_split(b, a.astype(ct.float32), acc, False, ct.tfloat32, 3)
     else:
         a_hi, a_lo = _tf32_split(a.astype(ct.float32))
         b_hi, b_lo = _tf32_split(b.astype(ct.float32))

@@ -54,7 +54,8 @@ CANDIDATES = {
 }
 FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
 # What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
-PRECISION_PROBES = {"chunk_state": ("tf32", "input"), "compute_out": ("input",)}
+PRECISION_PROBES = {"chunk_state": ("tf32", "input", "3xbf16"),
+                    "compute_out": ("input", "2xbf16", "3xbf16")}
 
 
 def parse_shape(text: str) -> tuple:
@@ -69,7 +70,6 @@ def parse_shape(text: str) -> tuple:
         raise ValueError(f"--shape: expected B,L,H,P,N,G[,dtype] with positive sizes, G dividing "
                          f"H and dtype one of {SHAPE_DTYPES}, got {text!r}")
     return (*dims, dtype)
-
 
 
 def shape_inputs(shape, seqlen=None) -> dict:
@@ -171,7 +171,8 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
         plan = with_candidate(plan, stage, {k: best[k] for k in best if k != "ms"})
         probes = []
         for precision in PRECISION_PROBES.get(stage, ()):
-            if precision == "input" and shape[-1] == "float32":
+            if ((precision == "input" and shape[-1] == "float32")
+                    or (precision in ssd.BF16_SPLITS and shape[-1] != "bfloat16")):
                 continue
             cand = {k: best[k] for k in best if k != "ms"}
             error = pool.submit(_compile_task, (shape, stage, cand, precision)).result()

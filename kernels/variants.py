@@ -37,7 +37,7 @@ TARGETS = ("sm_80", "sm_90", "sm_100")
 REMARK_TARGET = "sm_90"
 # cuTile's compile flags for a kernel with default options (cuda/tile/_compile.py: compile_cubin).
 TILEIRAS_FLAGS = ("-O3", "--lineinfo")
-TENSOR_CORE_PRECISIONS = ("3xtf32", "tf32", "input")
+TENSOR_CORE_PRECISIONS = ("3xtf32", "tf32", "input", "2xbf16", "3xbf16")
 MMA_KERNELS = ("chunk_state", "compute_out")
 
 f32, bf16, f16, i32, i64 = torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
@@ -87,6 +87,11 @@ COVERING_KEYS = (
     ("bf16-q64-input-packed", _small(bf16, bf16, 64, 8, 128, 32, 2, z_dtype=bf16,
                                      seq_dtype=i32, cu_dtype=i32, nseq=4, varlen=True,
                                      has_d=True), bf16, "input"),
+    ("anchor-b8-L4096-h64-2xbf16", _anchor(8, 4096, 64, 1), f32, "2xbf16"),
+    ("bf16x-fp32bc-q128-3xbf16-packed", _small(bf16, f32, 128, 8, 64, 64, 2, z_dtype=bf16,
+                                               start_dtype=f32, seq_dtype=i32, cu_dtype=i32,
+                                               nseq=3, per_seq_start=True, varlen=True),
+     f32, "3xbf16"),
 )
 
 _KERNEL_NAMES = ("chunk_cumsum", "chunk_state", "state_passing", "compute_out")

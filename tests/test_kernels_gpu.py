@@ -149,6 +149,8 @@ def test_cpu_tensors_or_missing_cuda_raise_clear_errors():
 @pytest.mark.parametrize("kwargs, words", [
     (dict(chunk_size=32), r"chunk_size: expected one of \(64, 128, 256\)"),
     (dict(precision="input"), "precision: expected 'input' only with bf16/fp16 x"),
+    (dict(precision="2xbf16"), "precision: expected '2xbf16' only with bf16 x .* got it with "
+                               "float32 x"),
     (dict(precision="fp8"), "precision: expected 'auto' or one of"),
     (dict(state_dtype=torch.int8), "state_dtype: expected one of"),
 ])
