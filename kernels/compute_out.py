@@ -15,7 +15,9 @@ A block owns ROW_BLOCK rows of one chunk for one head and P_BLOCK channels; it w
 blocks j <= i of its chunk like causal attention: S = C_i B_j^T (dstate contraction), masked decay
 weights L_ij = 2^(S_i - S_j) (exponent masked before exp2, so a masked entry is 0, never inf * 0),
 then y += (S o L dt_j) x_j. The three matmuls are MMAs with float32 accumulation at the
-precision of ``kernels.tile_ops`` (tensor cores except in the ieee mode).
+precision of ``kernels.tile_ops`` (tensor cores except in the ieee mode). The tuner knob
+``transposed`` accumulates y^T = h C_i^T + x_j^T (S o L dt_j)^T instead: the same sums with the
+computed operands on the other side of the MMA (TileGym's cuTile forward offers both too).
 
 A NaN or Inf in x, dt or B at position j also reaches the positions before j in its chunk (and
 other sequences packed in it): their masked weight 0 multiplies it inside the MMA.
@@ -50,7 +52,8 @@ def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, se
                        P_BLOCK: ct.Constant[int], N_PAD: ct.Constant[int],
                        MODE: ct.Constant[int],
                        HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
-                       HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool]):
+                       HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
+                       TRANSPOSED: ct.Constant[bool]):
     # Heads vary fastest: blocks running together share C and B rows (one group, one chunk).
     pid = ct.bid(0)
     head = pid % nheads
@@ -79,12 +82,18 @@ def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, se
     # The state entering the chunk, seen by the rows still in the sequence that entered it.
     h = ct.load(chunk_states, (batch, chunk, head, p_block, 0), shape=(1, 1, 1, P_BLOCK, N_PAD),
                 padding_mode=ZERO).reshape((P_BLOCK, N_PAD))
-    y = precise_mma(C_i, h.transpose(), ct.zeros((ROW_BLOCK, P_BLOCK), dtype=ct.float32), MODE,
-                    x.dtype)
     carried_scale = exp2_nonpos(hi_i + lo_i)
     if HAS_SEQ:
         carried_scale = ct.where(seq_i == seq_entering, carried_scale, 0.0)
-    y = y * carried_scale[:, None]
+    # TRANSPOSED accumulates y^T (P_BLOCK x ROW_BLOCK): the state enters the MMA in its stored
+    # layout and the computed weights as the right operand, another operand staging through
+    # shared memory (which bounds this kernel on the H200) for the tuner to weigh.
+    if TRANSPOSED:
+        y_t = precise_mma(h, C_i.transpose(), ct.zeros((P_BLOCK, ROW_BLOCK), dtype=ct.float32),
+                          MODE, x.dtype) * carried_scale[None, :]
+    else:
+        y = precise_mma(C_i, h.transpose(), ct.zeros((ROW_BLOCK, P_BLOCK), dtype=ct.float32),
+                        MODE, x.dtype) * carried_scale[:, None]
 
     for col_block in range(row_block + 1):
         cols = chunk * rows_per_chunk + col_block
@@ -108,7 +117,12 @@ def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, se
         # dt_j joins the weights, so x_j enters the MMA as loaded: a 16-bit x is exact in TF32
         # and the split modes cut only the weights.
         weights = scores * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[None, :])
-        y = precise_mma(weights, x_j, y, MODE, x.dtype)
+        if TRANSPOSED:
+            y_t = precise_mma(x_j.transpose(), weights.transpose(), y_t, MODE, x.dtype)
+        else:
+            y = precise_mma(weights, x_j, y, MODE, x.dtype)
+    if TRANSPOSED:
+        y = y_t.transpose()
 
     if PER_SEQ_START:
         # Sequences that begin inside this chunk and reach these rows, each from its own H0.
@@ -168,12 +182,14 @@ class ComputeOutConfig(KernelVariant):
     has_z: bool = False
     has_seq: bool = False
     per_seq_start: bool = False
+    transposed: bool = False
     wide: bool = False
     occupancy: int | None = None
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_pad,
-                MODE[self.precision], self.has_d, self.has_z, self.has_seq, self.per_seq_start)
+                MODE[self.precision], self.has_d, self.has_z, self.has_seq, self.per_seq_start,
+                self.transposed)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
@@ -191,7 +207,8 @@ class ComputeOutConfig(KernelVariant):
                 f"states={self.state_dtype} Q={self.chunk_size} RB={self.row_block} "
                 f"PB={self.p_block} N={self.n_pad} {self.precision} "
                 f"D={self.has_d} z={self.has_z} seq={self.has_seq} "
-                f"per_seq_start={self.per_seq_start} int64={self.wide} occupancy={self.occupancy}")
+                f"per_seq_start={self.per_seq_start} transposed={self.transposed} "
+                f"int64={self.wide} occupancy={self.occupancy}")
 
 
 @dataclass

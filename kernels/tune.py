@@ -49,8 +49,8 @@ CANDIDATES = {
     "state_passing": [dict(p_block=p, n_block=n, occupancy=o) for (p, n), o in
                       itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
                                         (None, 4, 8, 16))],
-    "compute_out": [dict(row_block=r, p_block=p, occupancy=o) for r, p, o in
-                    itertools.product((64, 128), (32, 64), OCCUPANCIES)],
+    "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t) for r, p, o, t in
+                    itertools.product((64, 128), (32, 64), OCCUPANCIES, (False, True))],
 }
 FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
 # What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).

@@ -55,7 +55,8 @@ def _small(x, bc, Q, H, P, N, G, **kw) -> ProblemKey:
                       chunk_size=Q, x_dtype=x, b_dtype=b_dtype, c_dtype=c_dtype, **kw)
 
 
-# (name, key, state_dtype, precision); precision None = what 'auto' picks.
+# (name, key, state_dtype, precision[, knobs]); precision None = what 'auto' picks; knobs
+# ({plan field: {config field: value}}) override what the dispatcher picked.
 COVERING_KEYS = (
     ("anchor-b8-L4096-h64", _anchor(8, 4096, 64, 1), f32, None),
     ("anchor-b4-L8192-h32-g8", _anchor(4, 8192, 32, 8), f32, None),
@@ -88,6 +89,9 @@ COVERING_KEYS = (
                                      seq_dtype=i32, cu_dtype=i32, nseq=4, varlen=True,
                                      has_d=True), bf16, "input"),
     ("anchor-b8-L4096-h64-2xbf16", _anchor(8, 4096, 64, 1), f32, "2xbf16"),
+    # A tuner knob the dispatcher picks only from a table or a user's cache: compiled here too.
+    ("anchor-b8-L4096-h64-out-transposed", _anchor(8, 4096, 64, 1), f32, None,
+     {"out": {"transposed": True}}),
     ("bf16x-fp32bc-q128-3xbf16-packed", _small(bf16, f32, 128, 8, 64, 64, 2, z_dtype=bf16,
                                                start_dtype=f32, seq_dtype=i32, cu_dtype=i32,
                                                nseq=3, per_seq_start=True, varlen=True),
@@ -118,8 +122,10 @@ class Variant:
 def covering_variants() -> list[Variant]:
     """Every distinct kernel config the covering recipes launch, in first-seen order."""
     found: dict[tuple, Variant] = {}
-    for recipe, key, state_dtype, precision in COVERING_KEYS:
+    for recipe, key, state_dtype, precision, *knobs in COVERING_KEYS:
         plan = make_plan(key, state_dtype, precision)
+        for field_name, changes in (knobs[0] if knobs else {}).items():
+            plan = replace(plan, **{field_name: replace(getattr(plan, field_name), **changes)})
         for kernel, cfg in zip(_KERNEL_NAMES, plan.configs()):
             mode = getattr(cfg, "precision", "")
             ident = (kernel, cfg)

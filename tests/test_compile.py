@@ -40,7 +40,7 @@ def test_variant_compiles(compiled, variant, target):
 def test_covering_set_covers_every_value():
     """Every dtype, chunk size, headdim, dstate, precision and flag appears at least once."""
     keys = [(key, state_dtype, ssd.resolve_precision(precision, key.x_dtype))
-            for _, key, state_dtype, precision in COVERING_KEYS]
+            for _, key, state_dtype, precision, *_ in COVERING_KEYS]
     seen = lambda f: {f(k, s, p) for k, s, p in keys}  # noqa: E731
     dtypes = {torch.float32, torch.bfloat16, torch.float16}
     assert seen(lambda k, s, p: k.x_dtype) >= dtypes
@@ -58,6 +58,9 @@ def test_covering_set_covers_every_value():
         assert seen(lambda k, s, p: getattr(k, flag)) == {False, True}, flag
     assert seen(lambda k, s, p: k.z_dtype is not None) == {False, True}
     assert seen(lambda k, s, p: k.needs_int64()) == {False, True}
+    # Tuner knobs the dispatcher takes only from a table or a user's cache are compiled too.
+    assert {v.config.transposed for v in covering_variants() if v.kernel == "compute_out"} == {
+        False, True}
     # Pairwise where it matters most: each precision mode with float32 and with 16-bit x.
     pairs = seen(lambda k, s, p: (p, k.x_dtype == torch.float32))
     assert pairs >= {("ieee", True), ("ieee", False), ("3xtf32", True), ("3xtf32", False),

@@ -82,6 +82,33 @@ def test_strided_inputs_read_through_strides():
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("x_dtype, precision", [("bf16", None), ("bf16", "2xbf16"),
+                                                ("fp32", None)])
+def test_the_transposed_output_kernel_computes_the_same_output(x_dtype, precision):
+    """compute_out's tuner knob ``transposed`` (y^T = h C^T + x^T W^T) changes operand layouts,
+    not the sums: the output agrees with the default orientation to a rounding, with packed
+    sequences, per-sequence initial states, D and z on."""
+    from dataclasses import replace
+    from kernels.ssd import stage_pipeline
+    spec = ProblemSpec(batch=1, seqlen=600, nheads=8, headdim=64, dstate=64, ngroups=2,
+                       chunk_size=128, x_dtype=x_dtype, bc_dtype=x_dtype, z=True, D="channel",
+                       initial_states=True, per_sequence_initial_states=True,
+                       cu_seqlens=(0, 70, 300, 301, 600))
+    problem = build_problem(spec, "cuda")
+    outs = []
+    for transposed in (False, True):
+        pipeline = stage_pipeline(problem, precision=precision)
+        pipeline = replace(pipeline, plan=replace(pipeline.plan, out=replace(
+            pipeline.plan.out, transposed=transposed)))
+        dt, cumsum = pipeline.cumsum()
+        states, _, _ = pipeline.states(dt, cumsum)
+        outs.append(pipeline.out(dt, cumsum, states).double())
+    tol = relation_tolerance(problem.x.dtype, float(outs[0].abs().max()))
+    assert float((outs[0] - outs[1]).abs().max()) <= tol
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_nan_stays_in_its_row_head_channel_and_chunk():
     """A NaN in x reaches out of its (row, head, channel) from its chunk's start on, and nothing
     else. (Positions before it in its chunk are reached too: the intra-chunk matmul multiplies

@@ -30,7 +30,9 @@ def test_every_entry_fits_the_kernels_it_configures():
         assert key["headdim"] == next_pow2(key["headdim"]) and key["dstate"] == next_pow2(key["dstate"])
         for stage in tune.CANDIDATES:
             tiles = entry[stage]
-            assert tiles in tune.CANDIDATES[stage], f"{stage}: {tiles} is not a tuner candidate"
+            # Knobs the tuner gained after an entry was written hold their config default there.
+            defaults = {"transposed": False} if stage == "compute_out" else {}
+            assert {**defaults, **tiles} in tune.CANDIDATES[stage], f"{stage}: {tiles}"
             assert key["chunk_size"] % tiles.get("row_block", 1) == 0
             assert tiles.get("p_block", 0) <= key["headdim"] and tiles.get("n_block", 0) <= key["dstate"]
         assert entry["measured"][0]["tuned_ms"] < entry["measured"][0]["default_ms"]
