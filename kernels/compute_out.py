@@ -38,22 +38,77 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
+from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
                               index_variants, kernel_signature, load_log2_cumsum,
-                              log2_decay_between, log2_decay_since, precise_mma,
+                              log2_cumsum_at, log2_decay_between, log2_decay_since, precise_mma,
                               scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
 
-def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_idx,
+@ct.function
+def _oriented_mma(weights, x_j, acc, MODE: ct.Constant[int], LOW: ct.Constant,
+                  TRANSPOSED: ct.Constant[bool]):
+    """acc + weights @ x_j, or its transpose into a transposed accumulator."""
+    if TRANSPOSED:
+        acc = precise_mma(x_j.transpose(), weights.transpose(), acc, MODE, LOW)
+    else:
+        acc = precise_mma(weights, x_j, acc, MODE, LOW)
+    return acc
+
+
+@ct.function
+def _scale_rows(acc, scale, TRANSPOSED: ct.Constant[bool]):
+    """acc with row i (column i when transposed) times scale[i]."""
+    if TRANSPOSED:
+        acc = acc * scale[None, :]
+    else:
+        acc = acc * scale[:, None]
+    return acc
+
+
+@ct.function
+def _column_block(x, B, C_i, scores, seq_idx, log2_decay_cumsum, dt, batch, chunk, group, head,
+                  p_block, row_block, col_block, seq_i, local_i, CHUNK: ct.Constant[int],
+                  ROW_BLOCK: ct.Constant[int], P_BLOCK: ct.Constant[int],
+                  N_PAD: ct.Constant[int], MODE: ct.Constant[int],
+                  HAS_SEQ: ct.Constant[bool], SHARED_SCORES: ct.Constant[bool]):
+    """What column block j of the chunk brings to row block i: (scores C_i . B_j^T, which
+    entries row i sees (causal, same sequence), x_j, dt_j, the cumsum (hi, lo) of its rows)."""
+    rows_per_chunk = CHUNK // ROW_BLOCK
+    cols = chunk * rows_per_chunk + col_block
+    if SHARED_SCORES:
+        s = ct.load(scores, (batch, chunk, group, row_block, col_block),
+                    shape=(1, 1, 1, ROW_BLOCK, ROW_BLOCK)).reshape((ROW_BLOCK, ROW_BLOCK))
+    else:
+        B_j = ct.load(B, (batch, cols, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
+                      padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
+        s = precise_mma(C_i, B_j.transpose(), ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32),
+                        MODE, x.dtype)
+    local_j = col_block * ROW_BLOCK + ct.arange(ROW_BLOCK, dtype=ct.int32)
+    sees = local_j[None, :] <= local_i[:, None]
+    if HAS_SEQ:
+        seq_j = ct.load(seq_idx, (batch, cols), shape=(1, ROW_BLOCK),
+                        padding_mode=ZERO).reshape((ROW_BLOCK,))
+        sees = sees & (seq_j[None, :] == seq_i[:, None])
+    hi_j, lo_j = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, col_block, ROW_BLOCK)
+    dt_j = ct.load(dt, (batch, head, chunk, col_block),
+                   shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
+    x_j = ct.load(x, (batch, cols, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
+                  padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
+    return s, sees, x_j, dt_j, hi_j, lo_j
+
+
+def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_idx,
                        start_states, cu_seqlens, out, seqlen, nheads, heads_per_group, n_p_blocks,
                        CHUNK: ct.Constant[int], ROW_BLOCK: ct.Constant[int],
                        P_BLOCK: ct.Constant[int], N_PAD: ct.Constant[int],
                        MODE: ct.Constant[int],
                        HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
                        HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
-                       TRANSPOSED: ct.Constant[bool]):
+                       TRANSPOSED: ct.Constant[bool], SHARED_SCORES: ct.Constant[bool],
+                       FACTORED_DECAY: ct.Constant[bool]):
     # Heads vary fastest: blocks running together share C and B rows (one group, one chunk).
     pid = ct.bid(0)
     head = pid % nheads
@@ -73,6 +128,7 @@ def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, se
     C_i = ct.load(C, (batch, rows, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
                   padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
     hi_i, lo_i = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, row_block, ROW_BLOCK)
+    seq_i = local_i
     if HAS_SEQ:
         seq_i = ct.load(seq_idx, (batch, rows), shape=(1, ROW_BLOCK),
                         padding_mode=ZERO).reshape((ROW_BLOCK,))
@@ -89,40 +145,48 @@ def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, se
     # layout and the computed weights as the right operand, another operand staging through
     # shared memory (which bounds this kernel on the H200) for the tuner to weigh.
     if TRANSPOSED:
-        y_t = precise_mma(h, C_i.transpose(), ct.zeros((P_BLOCK, ROW_BLOCK), dtype=ct.float32),
-                          MODE, x.dtype) * carried_scale[None, :]
+        y = precise_mma(h, C_i.transpose(), ct.zeros((P_BLOCK, ROW_BLOCK), dtype=ct.float32),
+                        MODE, x.dtype)
     else:
         y = precise_mma(C_i, h.transpose(), ct.zeros((ROW_BLOCK, P_BLOCK), dtype=ct.float32),
-                        MODE, x.dtype) * carried_scale[:, None]
+                        MODE, x.dtype)
+    y = _scale_rows(y, carried_scale, TRANSPOSED)
 
-    for col_block in range(row_block + 1):
-        cols = chunk * rows_per_chunk + col_block
-        local_j = col_block * ROW_BLOCK + ct.arange(ROW_BLOCK, dtype=ct.int32)
-        B_j = ct.load(B, (batch, cols, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
-                      padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
-        hi_j, lo_j = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, col_block,
-                                      ROW_BLOCK)
-        dt_j = ct.load(dt, (batch, head, chunk, col_block),
-                       shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
-        x_j = ct.load(x, (batch, cols, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
-                      padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
-        scores = precise_mma(C_i, B_j.transpose(),
-                             ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32), MODE, x.dtype)
-        sees = local_j[None, :] <= local_i[:, None]
-        if HAS_SEQ:
-            seq_j = ct.load(seq_idx, (batch, cols), shape=(1, ROW_BLOCK),
-                            padding_mode=ZERO).reshape((ROW_BLOCK,))
-            sees = sees & (seq_j[None, :] == seq_i[:, None])
+    # Column blocks before the diagonal one: with FACTORED_DECAY their decay 2^(S_i - S_j) is
+    # 2^(S_i - S_b) 2^(S_b - S_j), S_b the cumsum just before row block i (both factors <= 1: S
+    # never rises), so a block costs ROW_BLOCK exp2 instead of ROW_BLOCK^2 and the row factor
+    # scales their sum once. Each factor is within a few float32 ulps, far below the TF32 and
+    # 16-bit operand roundings of the modes the tuner offers it in.
+    diagonal_from = 0
+    if FACTORED_DECAY:
+        diagonal_from = row_block
+        hi_b, lo_b = log2_cumsum_at(log2_decay_cumsum, batch, head, chunk,
+                                    ct.maximum(row_block * ROW_BLOCK - 1, 0))
+        y_before = ct.zeros(y.shape, dtype=ct.float32)
+        for col_block in range(row_block):
+            s, sees, x_j, dt_j, hi_j, lo_j = _column_block(
+                x, B, C_i, scores, seq_idx, log2_decay_cumsum, dt, batch, chunk, group, head,
+                p_block, row_block, col_block, seq_i, local_i, CHUNK, ROW_BLOCK, P_BLOCK, N_PAD,
+                MODE, HAS_SEQ, SHARED_SCORES)
+            column_decay = exp2_nonpos(log2_decay_between(hi_b, lo_b, hi_j, lo_j)) * dt_j
+            weights = s * column_decay[None, :]
+            if HAS_SEQ:
+                weights = ct.where(sees, weights, 0.0)
+            y_before = _oriented_mma(weights, x_j, y_before, MODE, x.dtype, TRANSPOSED)
+        row_decay = exp2_nonpos(log2_decay_between(hi_i, lo_i, hi_b, lo_b))
+        y = y + _scale_rows(y_before, row_decay, TRANSPOSED)
+    for col_block in range(diagonal_from, row_block + 1):
+        s, sees, x_j, dt_j, hi_j, lo_j = _column_block(
+            x, B, C_i, scores, seq_idx, log2_decay_cumsum, dt, batch, chunk, group, head, p_block,
+            row_block, col_block, seq_i, local_i, CHUNK, ROW_BLOCK, P_BLOCK, N_PAD, MODE,
+            HAS_SEQ, SHARED_SCORES)
         exponent = log2_decay_between(hi_i[:, None], lo_i[:, None], hi_j[None, :], lo_j[None, :])
         # dt_j joins the weights, so x_j enters the MMA as loaded: a 16-bit x is exact in TF32
         # and the split modes cut only the weights.
-        weights = scores * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[None, :])
-        if TRANSPOSED:
-            y_t = precise_mma(x_j.transpose(), weights.transpose(), y_t, MODE, x.dtype)
-        else:
-            y = precise_mma(weights, x_j, y, MODE, x.dtype)
+        weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[None, :])
+        y = _oriented_mma(weights, x_j, y, MODE, x.dtype, TRANSPOSED)
     if TRANSPOSED:
-        y = y_t.transpose()
+        y = y.transpose()
 
     if PER_SEQ_START:
         # Sequences that begin inside this chunk and reach these rows, each from its own H0.
@@ -157,8 +221,8 @@ def compute_out_kernel(x, B, C, dt, log2_decay_cumsum, A, chunk_states, D, z, se
 
 
 # x, z, out (and B, C, the states) can pass 2^31 elements: 64-bit indexing in the wide variant.
-KERNELS = index_variants(compute_out_kernel, ("x", "B", "C", "chunk_states", "z", "start_states",
-                                              "out"))
+KERNELS = index_variants(compute_out_kernel, ("x", "B", "C", "scores", "chunk_states", "z",
+                                              "start_states", "out"))
 
 
 @dataclass(frozen=True)
@@ -183,20 +247,23 @@ class ComputeOutConfig(KernelVariant):
     has_seq: bool = False
     per_seq_start: bool = False
     transposed: bool = False
+    shared_scores: bool = False
+    factored_decay: bool = False
     wide: bool = False
     occupancy: int | None = None
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_pad,
                 MODE[self.precision], self.has_d, self.has_z, self.has_seq, self.per_seq_start,
-                self.transposed)
+                self.transposed, self.shared_scores, self.factored_decay)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
         return kernel_signature([
             array_constraint(self.x_dtype, 4, w), array_constraint(self.b_dtype, 4, w),
-            array_constraint(self.c_dtype, 4, w), array_constraint(f32, 4), array_constraint(f32, 5),
-            array_constraint(f32, 1), array_constraint(self.state_dtype, 5, w), array_constraint(f32, 2),
+            array_constraint(self.c_dtype, 4, w), array_constraint(f32, 5, w),
+            array_constraint(f32, 4), array_constraint(f32, 5), array_constraint(f32, 1),
+            array_constraint(self.state_dtype, 5, w), array_constraint(f32, 2),
             array_constraint(self.z_dtype, 4, w), array_constraint(self.seq_dtype, 2),
             array_constraint(self.start_dtype, 4, w), array_constraint(self.cu_dtype, 1),
             array_constraint(self.x_dtype, 4, w),
@@ -208,6 +275,7 @@ class ComputeOutConfig(KernelVariant):
                 f"PB={self.p_block} N={self.n_pad} {self.precision} "
                 f"D={self.has_d} z={self.has_z} seq={self.has_seq} "
                 f"per_seq_start={self.per_seq_start} transposed={self.transposed} "
+                f"shared_scores={self.shared_scores} factored_decay={self.factored_decay} "
                 f"int64={self.wide} occupancy={self.occupancy}")
 
 
@@ -231,15 +299,19 @@ class OutInputs:
 
 
 def compute_out(inp: OutInputs, cfg: ComputeOutConfig) -> torch.Tensor:
-    """out (b, L, H, P) in x's dtype; see the module docstring."""
+    """out (b, L, H, P) in x's dtype; see the module docstring. With ``cfg.shared_scores`` the
+    stage is two launches: kernels/chunk_scores.py, then this kernel reading its scores."""
     b, L, H, P = inp.x.shape
     out = torch.empty(b, L, H, P, device=inp.x.device, dtype=inp.x.dtype)
     nchunks = -(-L // cfg.chunk_size)
     npb = -(-P // cfg.p_block)
     nrow_blocks = nchunks * (cfg.chunk_size // cfg.row_block)
     placeholder = inp.dt.view(-1)[:1]
+    scores = placeholder.view(1, 1, 1, 1, 1)
+    if cfg.shared_scores:
+        scores = chunk_scores(inp.B, inp.C, inp.x, ChunkScoresConfig.for_out(cfg))
     # Absent optional arrays are never read (their flags are off): stand-ins of a fixed dtype.
-    args = (inp.x, inp.B, inp.C, inp.dt, inp.log2_decay_cumsum, inp.A, inp.chunk_states,
+    args = (inp.x, inp.B, inp.C, scores, inp.dt, inp.log2_decay_cumsum, inp.A, inp.chunk_states,
             inp.D if inp.D is not None else placeholder.view(1, 1),
             inp.z if inp.z is not None else inp.x,
             inp.seq_idx if inp.seq_idx is not None else placeholder.view(1, 1).to(torch.int32),

@@ -65,6 +65,7 @@ from typing import Optional
 import torch
 
 from kernels.chunk_cumsum import ChunkCumsumConfig, chunk_cumsum, head_block_for
+from kernels.chunk_scores import ChunkScoresConfig
 from kernels.compute_out import ComputeOutConfig, OutInputs, compute_out
 from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
 from kernels.device import require_gpu
@@ -161,8 +162,17 @@ class Plan:
     state_passing: StatePassingConfig
     out: ComputeOutConfig
 
+    def named_configs(self) -> tuple[tuple[str, object], ...]:
+        """(kernel name, config) in launch order; the scores kernel only when compute_out shares
+        its scores (kernels/chunk_scores.py)."""
+        named = [("chunk_cumsum", self.cumsum), ("chunk_state", self.chunk_state),
+                 ("state_passing", self.state_passing)]
+        if self.out.shared_scores:
+            named.append(("chunk_scores", ChunkScoresConfig.for_out(self.out)))
+        return (*named, ("compute_out", self.out))
+
     def configs(self):
-        return (self.cumsum, self.chunk_state, self.state_passing, self.out)
+        return tuple(cfg for _, cfg in self.named_configs())
 
 
 def resolve_precision(precision: Optional[str], x_dtype: torch.dtype) -> str:

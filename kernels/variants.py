@@ -38,7 +38,7 @@ REMARK_TARGET = "sm_90"
 # cuTile's compile flags for a kernel with default options (cuda/tile/_compile.py: compile_cubin).
 TILEIRAS_FLAGS = ("-O3", "--lineinfo")
 TENSOR_CORE_PRECISIONS = ("3xtf32", "tf32", "input", "2xbf16", "3xbf16")
-MMA_KERNELS = ("chunk_state", "compute_out")
+MMA_KERNELS = ("chunk_state", "chunk_scores", "compute_out")
 
 f32, bf16, f16, i32, i64 = torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
 
@@ -92,14 +92,18 @@ COVERING_KEYS = (
     # A tuner knob the dispatcher picks only from a table or a user's cache: compiled here too.
     ("anchor-b8-L4096-h64-out-transposed", _anchor(8, 4096, 64, 1), f32, None,
      {"out": {"transposed": True}}),
+    ("anchor-b4-L8192-h32-g8-shared-scores-factored", _anchor(4, 8192, 32, 8), f32, None,
+     {"out": {"shared_scores": True, "factored_decay": True}}),
+    ("fp32-q128-3xtf32-packed-shared-scores-transposed",
+     _small(f32, f32, 128, 8, 64, 32, 2, seq_dtype=i32, z_dtype=f32, has_d=True), f32, "3xtf32",
+     {"out": {"shared_scores": True, "transposed": True}}),
+    ("bf16-q64-input-packed-factored", _small(bf16, bf16, 64, 8, 128, 32, 2, seq_dtype=i32),
+     bf16, "input", {"out": {"factored_decay": True, "transposed": True}}),
     ("bf16x-fp32bc-q128-3xbf16-packed", _small(bf16, f32, 128, 8, 64, 64, 2, z_dtype=bf16,
                                                start_dtype=f32, seq_dtype=i32, cu_dtype=i32,
                                                nseq=3, per_seq_start=True, varlen=True),
      f32, "3xbf16"),
 )
-
-_KERNEL_NAMES = ("chunk_cumsum", "chunk_state", "state_passing", "compute_out")
-
 
 @dataclass(frozen=True)
 class Variant:
@@ -126,7 +130,7 @@ def covering_variants() -> list[Variant]:
         plan = make_plan(key, state_dtype, precision)
         for field_name, changes in (knobs[0] if knobs else {}).items():
             plan = replace(plan, **{field_name: replace(getattr(plan, field_name), **changes)})
-        for kernel, cfg in zip(_KERNEL_NAMES, plan.configs()):
+        for kernel, cfg in plan.named_configs():
             mode = getattr(cfg, "precision", "")
             ident = (kernel, cfg)
             if ident in found:

@@ -8,11 +8,12 @@ The compiles (~150 tileiras runs) happen once, two at a time, in a module fixtur
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from kernels import chunk_cumsum, compute_out, fwd_pass_state, ssd
+from kernels import chunk_cumsum, chunk_scores, compute_out, fwd_pass_state, ssd
 from kernels.tile_ops import CT_DTYPE
 from kernels.variants import (COVERING_KEYS, TARGETS, compile_all, covering_variants,
                               tensor_core_violations)
@@ -95,17 +96,26 @@ LAUNCH_SPECS = (
 
 @pytest.mark.parametrize("spec", LAUNCH_SPECS, ids=lambda s: s.describe())
 @pytest.mark.parametrize("precision", [None, "ieee", "tf32"])
-def test_launches_match_compiled_signatures(monkeypatch, spec, precision):
+@pytest.mark.parametrize("shared_scores", [False, True])
+def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared_scores):
     """The host code (run on CPU tensors with ct.launch intercepted) passes every kernel the
     dtypes, ranks, scalars and constants of the signature the dispatcher's config describes,
-    over a grid that covers every output tile exactly once."""
+    over a grid that covers every output tile exactly once (with compute_out's scores computed
+    inside it or shared from kernels/chunk_scores.py)."""
     launches = []
+    make_plan = ssd.make_plan
+
+    def plan_with_knob(*args, **kwargs):
+        plan = make_plan(*args, **kwargs)
+        return replace(plan, out=replace(plan.out, shared_scores=shared_scores,
+                                         factored_decay=shared_scores))
 
     def fake_launch(stream, grid, kernel, args):
         launches.append((grid, kernel, args))
 
-    for module in (chunk_cumsum, fwd_pass_state, compute_out):
+    for module in (chunk_cumsum, fwd_pass_state, chunk_scores, compute_out):
         monkeypatch.setattr(module.ct, "launch", fake_launch)
+    monkeypatch.setattr(ssd, "make_plan", plan_with_knob)
     monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
     problem = build_problem(spec)
@@ -113,7 +123,7 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision):
                                       wide=False)
     plan = ssd.make_plan(key, ssd.DEFAULT_STATE_DTYPE, precision)
     ssd.run_stages(problem, precision=precision)
-    assert len(launches) == 4
+    assert len(launches) == 4 + shared_scores
     for (grid, kernel, args), cfg in zip(launches, plan.configs()):
         assert kernel is cfg.kernel, cfg.describe()
         params = cfg.signature().parameters
@@ -124,7 +134,10 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision):
     nchunks = math.ceil(L / problem.chunk_size)
     nseq = 0 if problem.cu_seqlens is None else problem.nseq
     grids = [g for g, _, _ in launches]
-    cs, st, sp, out = plan.configs()
+    if shared_scores:
+        rows_per_chunk = plan.out.chunk_size // plan.out.row_block
+        assert grids.pop(3) == (b * nchunks * rows_per_chunk * problem.ngroups,)
+    cs, st, sp, out = (cfg for name, cfg in plan.named_configs() if name != "chunk_scores")
     assert grids[0] == (nchunks, b * math.ceil(H / cs.head_block))
     assert grids[1] == ((nchunks + nseq) * b * H * math.ceil(P / st.p_block)
                         * math.ceil(N / st.n_block),)

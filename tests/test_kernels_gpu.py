@@ -84,22 +84,28 @@ def test_strided_inputs_read_through_strides():
 @requires_gpu
 @pytest.mark.parametrize("x_dtype, precision", [("bf16", None), ("bf16", "2xbf16"),
                                                 ("fp32", None)])
-def test_the_transposed_output_kernel_computes_the_same_output(x_dtype, precision):
-    """compute_out's tuner knob ``transposed`` (y^T = h C^T + x^T W^T) changes operand layouts,
-    not the sums: the output agrees with the default orientation to a rounding, with packed
-    sequences, per-sequence initial states, D and z on."""
+@pytest.mark.parametrize("knobs", [dict(transposed=True), dict(shared_scores=True),
+                                   dict(factored_decay=True),
+                                   dict(shared_scores=True, factored_decay=True, transposed=True)],
+                         ids=lambda k: "+".join(k))
+def test_compute_out_tuner_knobs_compute_the_same_output(x_dtype, precision, knobs):
+    """compute_out's tuner knobs change operand layouts (``transposed``: y^T = h C^T + x^T W^T),
+    where the scores come from (``shared_scores``: kernels/chunk_scores.py) and how the decay of
+    earlier column blocks is factored (``factored_decay``), not the sums: the output agrees with
+    the default kernel to a rounding, with packed sequences, per-sequence initial states, D and z
+    on, over chunks of several row blocks."""
     from dataclasses import replace
     from kernels.ssd import stage_pipeline
     spec = ProblemSpec(batch=1, seqlen=600, nheads=8, headdim=64, dstate=64, ngroups=2,
-                       chunk_size=128, x_dtype=x_dtype, bc_dtype=x_dtype, z=True, D="channel",
+                       chunk_size=256, x_dtype=x_dtype, bc_dtype=x_dtype, z=True, D="channel",
                        initial_states=True, per_sequence_initial_states=True,
                        cu_seqlens=(0, 70, 300, 301, 600))
     problem = build_problem(spec, "cuda")
     outs = []
-    for transposed in (False, True):
+    for changes in ({}, knobs):
         pipeline = stage_pipeline(problem, precision=precision)
         pipeline = replace(pipeline, plan=replace(pipeline.plan, out=replace(
-            pipeline.plan.out, transposed=transposed)))
+            pipeline.plan.out, row_block=64, **changes)))
         dt, cumsum = pipeline.cumsum()
         states, _, _ = pipeline.states(dt, cumsum)
         outs.append(pipeline.out(dt, cumsum, states).double())

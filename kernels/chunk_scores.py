@@ -1,0 +1,101 @@
+"""The scores C_i . B_j of every chunk, once per group: what compute_out's heads share.
+
+    B, C (b, L, G, N), x (b, L, H, P) (only its dtype is read: the 'input' mode's rounding)
+    -> scores (b, nchunks, G, Q, Q) fp32: scores[.., i, j] = C_(cQ+i) . B_(cQ+j) for the
+       ROW_BLOCK x ROW_BLOCK tiles with j's block <= i's block (the others are never written)
+
+The scores depend on the group, not on the head: computed inside compute_out they cost one
+(ROW_BLOCK x N) . (N x ROW_BLOCK) MMA per tile per head, the kernel's largest matmul, repeated
+nheads / ngroups times (64 times at the anchor shapes with one group). Here each is computed once
+and compute_out reads the tile instead (``ComputeOutConfig.shared_scores``, a tuner knob). The
+products are the same MMAs at the same precision (``kernels.tile_ops.precise_mma``); a tile
+covers whole row and column blocks, so the diagonal tiles' masked entries are computed values,
+never unwritten memory that a zero weight would turn into NaN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.tile as ct
+import torch
+
+from kernels.tile_ops import (MODE, KernelVariant, array_constraint, index_variants,
+                              kernel_signature, precise_mma, scalar_constraint)
+
+ZERO = ct.PaddingMode.ZERO
+
+
+def chunk_scores_kernel(B, C, x, scores, seqlen, ngroups,
+                        CHUNK: ct.Constant[int], ROW_BLOCK: ct.Constant[int],
+                        N_PAD: ct.Constant[int], MODE: ct.Constant[int]):
+    pid = ct.bid(0)
+    group = pid % ngroups
+    rest = pid // ngroups
+    rows_per_chunk = CHUNK // ROW_BLOCK
+    nrow_blocks = ct.cdiv(seqlen, CHUNK) * rows_per_chunk
+    rows = rest % nrow_blocks
+    batch = rest // nrow_blocks
+    chunk = rows // rows_per_chunk
+    row_block = rows % rows_per_chunk
+    C_i = ct.load(C, (batch, rows, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
+                  padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
+    for col_block in range(row_block + 1):
+        B_j = ct.load(B, (batch, chunk * rows_per_chunk + col_block, group, 0),
+                      shape=(1, ROW_BLOCK, 1, N_PAD), padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
+        tile = precise_mma(C_i, B_j.transpose(), ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32),
+                           MODE, x.dtype)
+        ct.store(scores, (batch, chunk, group, row_block, col_block),
+                 tile.reshape((1, 1, 1, ROW_BLOCK, ROW_BLOCK)))
+
+
+# B and C pass 2^31 elements only with the other inputs; the scores are (b, L, G, Q)-sized.
+KERNELS = index_variants(chunk_scores_kernel, ("B", "C", "x", "scores"))
+
+
+@dataclass(frozen=True)
+class ChunkScoresConfig(KernelVariant):
+    VARIANTS = KERNELS
+
+    x_dtype: torch.dtype = torch.float32
+    b_dtype: torch.dtype = torch.float32
+    c_dtype: torch.dtype = torch.float32
+    chunk_size: int = 128
+    row_block: int = 64
+    n_pad: int = 64
+    precision: str = "3xtf32"
+    wide: bool = False
+    occupancy: int | None = None
+
+    @classmethod
+    def for_out(cls, out) -> "ChunkScoresConfig":
+        """The scores a ``ComputeOutConfig`` with shared_scores reads: its tiles, dtypes, mode."""
+        return cls(x_dtype=out.x_dtype, b_dtype=out.b_dtype, c_dtype=out.c_dtype,
+                   chunk_size=out.chunk_size, row_block=out.row_block, n_pad=out.n_pad,
+                   precision=out.precision, wide=out.wide)
+
+    def constants(self) -> tuple:
+        return (self.chunk_size, self.row_block, self.n_pad, MODE[self.precision])
+
+    def signature(self):
+        w = self.wide
+        return kernel_signature([
+            array_constraint(self.b_dtype, 4, w), array_constraint(self.c_dtype, 4, w),
+            array_constraint(self.x_dtype, 4, w), array_constraint(torch.float32, 5, w),
+            scalar_constraint(torch.int32), scalar_constraint(torch.int32), *self.constants()])
+
+    def describe(self) -> str:
+        return (f"chunk_scores B={self.b_dtype} C={self.c_dtype} x={self.x_dtype} "
+                f"Q={self.chunk_size} RB={self.row_block} N={self.n_pad} {self.precision} "
+                f"int64={self.wide}")
+
+
+def chunk_scores(B: torch.Tensor, C: torch.Tensor, x: torch.Tensor,
+                 cfg: ChunkScoresConfig) -> torch.Tensor:
+    """scores (b, nchunks, G, Q, Q) fp32; see the module docstring."""
+    b, L, G, _ = B.shape
+    Q = cfg.chunk_size
+    nchunks = -(-L // Q)
+    scores = torch.empty(b, nchunks, G, Q, Q, device=B.device, dtype=torch.float32)
+    ct.launch(torch.cuda.current_stream(), (b * nchunks * (Q // cfg.row_block) * G,), cfg.kernel,
+              (B, C, x, scores, L, G, *cfg.constants()))
+    return scores
