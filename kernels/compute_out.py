@@ -41,63 +41,37 @@ import torch
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
                               index_variants, kernel_signature, load_log2_cumsum,
-                              log2_cumsum_at, log2_decay_between, log2_decay_since, precise_mma,
+                              log2_decay_between, log2_decay_since, precise_mma,
                               scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
 
 @ct.function
-def _oriented_mma(weights, x_j, acc, MODE: ct.Constant[int], LOW: ct.Constant,
-                  TRANSPOSED: ct.Constant[bool]):
-    """acc + weights @ x_j, or its transpose into a transposed accumulator."""
-    if TRANSPOSED:
-        acc = precise_mma(x_j.transpose(), weights.transpose(), acc, MODE, LOW)
+def load_transposed(array, i0, rows, i2, cols, ROWS: ct.Constant[int], COLS: ct.Constant[int],
+                    ORDERED: ct.Constant[bool]):
+    """The (1, ROWS, 1, COLS) tile of a 4-d array at tile index (i0, rows, i2, cols), as a
+    (COLS, ROWS) tile: read in transposed order by the load (ORDERED) or loaded and transposed."""
+    if ORDERED:
+        t = ct.load(array, (i0, cols, i2, rows), shape=(1, COLS, 1, ROWS), order=(0, 3, 2, 1),
+                    padding_mode=ZERO).reshape((COLS, ROWS))
     else:
-        acc = precise_mma(weights, x_j, acc, MODE, LOW)
-    return acc
+        t = ct.load(array, (i0, rows, i2, cols), shape=(1, ROWS, 1, COLS),
+                    padding_mode=ZERO).reshape((ROWS, COLS)).transpose()
+    return t
 
 
 @ct.function
-def _scale_rows(acc, scale, TRANSPOSED: ct.Constant[bool]):
-    """acc with row i (column i when transposed) times scale[i]."""
-    if TRANSPOSED:
-        acc = acc * scale[None, :]
+def load_transposed5(array, i0, i1, i2, rows, cols, ROWS: ct.Constant[int],
+                     COLS: ct.Constant[int], ORDERED: ct.Constant[bool]):
+    """``load_transposed`` for the (1, 1, 1, ROWS, COLS) tile of a 5-d array."""
+    if ORDERED:
+        t = ct.load(array, (i0, i1, i2, cols, rows), shape=(1, 1, 1, COLS, ROWS),
+                    order=(0, 1, 2, 4, 3), padding_mode=ZERO).reshape((COLS, ROWS))
     else:
-        acc = acc * scale[:, None]
-    return acc
-
-
-@ct.function
-def _column_block(x, B, C_i, scores, seq_idx, log2_decay_cumsum, dt, batch, chunk, group, head,
-                  p_block, row_block, col_block, seq_i, local_i, CHUNK: ct.Constant[int],
-                  ROW_BLOCK: ct.Constant[int], P_BLOCK: ct.Constant[int],
-                  N_PAD: ct.Constant[int], MODE: ct.Constant[int],
-                  HAS_SEQ: ct.Constant[bool], SHARED_SCORES: ct.Constant[bool]):
-    """What column block j of the chunk brings to row block i: (scores C_i . B_j^T, which
-    entries row i sees (causal, same sequence), x_j, dt_j, the cumsum (hi, lo) of its rows)."""
-    rows_per_chunk = CHUNK // ROW_BLOCK
-    cols = chunk * rows_per_chunk + col_block
-    if SHARED_SCORES:
-        s = ct.load(scores, (batch, chunk, group, row_block, col_block),
-                    shape=(1, 1, 1, ROW_BLOCK, ROW_BLOCK)).reshape((ROW_BLOCK, ROW_BLOCK))
-    else:
-        B_j = ct.load(B, (batch, cols, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
-                      padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
-        s = precise_mma(C_i, B_j.transpose(), ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32),
-                        MODE, x.dtype)
-    local_j = col_block * ROW_BLOCK + ct.arange(ROW_BLOCK, dtype=ct.int32)
-    sees = local_j[None, :] <= local_i[:, None]
-    if HAS_SEQ:
-        seq_j = ct.load(seq_idx, (batch, cols), shape=(1, ROW_BLOCK),
-                        padding_mode=ZERO).reshape((ROW_BLOCK,))
-        sees = sees & (seq_j[None, :] == seq_i[:, None])
-    hi_j, lo_j = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, col_block, ROW_BLOCK)
-    dt_j = ct.load(dt, (batch, head, chunk, col_block),
-                   shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
-    x_j = ct.load(x, (batch, cols, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
-                  padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
-    return s, sees, x_j, dt_j, hi_j, lo_j
+        t = ct.load(array, (i0, i1, i2, rows, cols), shape=(1, 1, 1, ROWS, COLS),
+                    padding_mode=ZERO).reshape((ROWS, COLS)).transpose()
+    return t
 
 
 def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_idx,
@@ -108,7 +82,7 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
                        HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
                        HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
                        TRANSPOSED: ct.Constant[bool], SHARED_SCORES: ct.Constant[bool],
-                       FACTORED_DECAY: ct.Constant[bool]):
+                       ORDERED_LOADS: ct.Constant[bool]):
     # Heads vary fastest: blocks running together share C and B rows (one group, one chunk).
     pid = ct.bid(0)
     head = pid % nheads
@@ -124,69 +98,88 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
     group = head // heads_per_group
     first = chunk * CHUNK
     local_i = row_block * ROW_BLOCK + ct.arange(ROW_BLOCK, dtype=ct.int32)
-
-    C_i = ct.load(C, (batch, rows, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
-                  padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
     hi_i, lo_i = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, row_block, ROW_BLOCK)
-    seq_i = local_i
     if HAS_SEQ:
         seq_i = ct.load(seq_idx, (batch, rows), shape=(1, ROW_BLOCK),
                         padding_mode=ZERO).reshape((ROW_BLOCK,))
         # Chunk 0's entering state belongs to the row's first sequence.
         seq_entering = ct.load(seq_idx, (batch, ct.maximum(first - 1, 0)), shape=(1, 1)).reshape(())
 
+    # Every product is an MMA whose operands are read in the order it consumes them, so no tile
+    # is transposed in registers (ORDERED_LOADS; else loaded, then transposed). TRANSPOSED
+    # accumulates y^T (P_BLOCK x ROW_BLOCK) = h C_i^T + sum_j x_j^T W_ij^T, with the scores
+    # computed transposed (B_j C_i^T): the loaded x_j is then the MMA's left operand and the
+    # computed weights the right one, which on the H200 staged through shared memory (this
+    # kernel's bound) with fewer conflicts than the other way round (tf32 tuner, 1.33 vs 1.56 ms).
+    h_tile = (batch, chunk, head, p_block, 0)
+    if TRANSPOSED:
+        C_it = load_transposed(C, batch, rows, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS)
+        h = ct.load(chunk_states, h_tile, shape=(1, 1, 1, P_BLOCK, N_PAD),
+                    padding_mode=ZERO).reshape((P_BLOCK, N_PAD))
+        y = precise_mma(h, C_it, ct.zeros((P_BLOCK, ROW_BLOCK), dtype=ct.float32), MODE, x.dtype)
+    else:
+        C_i = ct.load(C, (batch, rows, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
+                      padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
+        h_t = load_transposed5(chunk_states, batch, chunk, head, p_block, 0, P_BLOCK, N_PAD,
+                               ORDERED_LOADS)
+        y = precise_mma(C_i, h_t, ct.zeros((ROW_BLOCK, P_BLOCK), dtype=ct.float32), MODE, x.dtype)
     # The state entering the chunk, seen by the rows still in the sequence that entered it.
-    h = ct.load(chunk_states, (batch, chunk, head, p_block, 0), shape=(1, 1, 1, P_BLOCK, N_PAD),
-                padding_mode=ZERO).reshape((P_BLOCK, N_PAD))
     carried_scale = exp2_nonpos(hi_i + lo_i)
     if HAS_SEQ:
         carried_scale = ct.where(seq_i == seq_entering, carried_scale, 0.0)
-    # TRANSPOSED accumulates y^T (P_BLOCK x ROW_BLOCK): the state enters the MMA in its stored
-    # layout and the computed weights as the right operand, another operand staging through
-    # shared memory (which bounds this kernel on the H200) for the tuner to weigh.
     if TRANSPOSED:
-        y = precise_mma(h, C_i.transpose(), ct.zeros((P_BLOCK, ROW_BLOCK), dtype=ct.float32),
-                        MODE, x.dtype)
+        y = y * carried_scale[None, :]
     else:
-        y = precise_mma(C_i, h.transpose(), ct.zeros((ROW_BLOCK, P_BLOCK), dtype=ct.float32),
-                        MODE, x.dtype)
-    y = _scale_rows(y, carried_scale, TRANSPOSED)
+        y = y * carried_scale[:, None]
 
-    # Column blocks before the diagonal one: with FACTORED_DECAY their decay 2^(S_i - S_j) is
-    # 2^(S_i - S_b) 2^(S_b - S_j), S_b the cumsum just before row block i (both factors <= 1: S
-    # never rises), so a block costs ROW_BLOCK exp2 instead of ROW_BLOCK^2 and the row factor
-    # scales their sum once. Each factor is within a few float32 ulps, far below the TF32 and
-    # 16-bit operand roundings of the modes the tuner offers it in.
-    diagonal_from = 0
-    if FACTORED_DECAY:
-        diagonal_from = row_block
-        hi_b, lo_b = log2_cumsum_at(log2_decay_cumsum, batch, head, chunk,
-                                    ct.maximum(row_block * ROW_BLOCK - 1, 0))
-        y_before = ct.zeros(y.shape, dtype=ct.float32)
-        for col_block in range(row_block):
-            s, sees, x_j, dt_j, hi_j, lo_j = _column_block(
-                x, B, C_i, scores, seq_idx, log2_decay_cumsum, dt, batch, chunk, group, head,
-                p_block, row_block, col_block, seq_i, local_i, CHUNK, ROW_BLOCK, P_BLOCK, N_PAD,
-                MODE, HAS_SEQ, SHARED_SCORES)
-            column_decay = exp2_nonpos(log2_decay_between(hi_b, lo_b, hi_j, lo_j)) * dt_j
-            weights = s * column_decay[None, :]
+    for col_block in range(row_block + 1):
+        cols = chunk * rows_per_chunk + col_block
+        local_j = col_block * ROW_BLOCK + ct.arange(ROW_BLOCK, dtype=ct.int32)
+        hi_j, lo_j = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, col_block,
+                                      ROW_BLOCK)
+        dt_j = ct.load(dt, (batch, head, chunk, col_block),
+                       shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
+        if HAS_SEQ:
+            seq_j = ct.load(seq_idx, (batch, cols), shape=(1, ROW_BLOCK),
+                            padding_mode=ZERO).reshape((ROW_BLOCK,))
+        if TRANSPOSED:
+            # Everything indexed [j, i].
+            if SHARED_SCORES:
+                s = load_transposed5(scores, batch, chunk, group, row_block, col_block, ROW_BLOCK,
+                                     ROW_BLOCK, ORDERED_LOADS)
+            else:
+                B_j = ct.load(B, (batch, cols, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
+                              padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
+                s = precise_mma(B_j, C_it, ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32),
+                                MODE, x.dtype)
+            sees = local_j[:, None] <= local_i[None, :]
             if HAS_SEQ:
-                weights = ct.where(sees, weights, 0.0)
-            y_before = _oriented_mma(weights, x_j, y_before, MODE, x.dtype, TRANSPOSED)
-        row_decay = exp2_nonpos(log2_decay_between(hi_i, lo_i, hi_b, lo_b))
-        y = y + _scale_rows(y_before, row_decay, TRANSPOSED)
-    for col_block in range(diagonal_from, row_block + 1):
-        s, sees, x_j, dt_j, hi_j, lo_j = _column_block(
-            x, B, C_i, scores, seq_idx, log2_decay_cumsum, dt, batch, chunk, group, head, p_block,
-            row_block, col_block, seq_i, local_i, CHUNK, ROW_BLOCK, P_BLOCK, N_PAD, MODE,
-            HAS_SEQ, SHARED_SCORES)
-        exponent = log2_decay_between(hi_i[:, None], lo_i[:, None], hi_j[None, :], lo_j[None, :])
-        # dt_j joins the weights, so x_j enters the MMA as loaded: a 16-bit x is exact in TF32
-        # and the split modes cut only the weights.
-        weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[None, :])
-        y = _oriented_mma(weights, x_j, y, MODE, x.dtype, TRANSPOSED)
-    if TRANSPOSED:
-        y = y.transpose()
+                sees = sees & (seq_j[:, None] == seq_i[None, :])
+            exponent = log2_decay_between(hi_i[None, :], lo_i[None, :], hi_j[:, None],
+                                          lo_j[:, None])
+            weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[:, None])
+            x_jt = load_transposed(x, batch, cols, head, p_block, ROW_BLOCK, P_BLOCK,
+                                   ORDERED_LOADS)
+            y = precise_mma(x_jt, weights, y, MODE, x.dtype)
+        else:
+            if SHARED_SCORES:
+                s = ct.load(scores, (batch, chunk, group, row_block, col_block),
+                            shape=(1, 1, 1, ROW_BLOCK, ROW_BLOCK)).reshape((ROW_BLOCK, ROW_BLOCK))
+            else:
+                B_jt = load_transposed(B, batch, cols, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS)
+                s = precise_mma(C_i, B_jt, ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32),
+                                MODE, x.dtype)
+            sees = local_j[None, :] <= local_i[:, None]
+            if HAS_SEQ:
+                sees = sees & (seq_j[None, :] == seq_i[:, None])
+            exponent = log2_decay_between(hi_i[:, None], lo_i[:, None], hi_j[None, :],
+                                          lo_j[None, :])
+            # dt_j joins the weights, so x_j enters the MMA as loaded: a 16-bit x is exact in
+            # TF32 and the split modes cut only the weights.
+            weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[None, :])
+            x_j = ct.load(x, (batch, cols, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
+                          padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
+            y = precise_mma(weights, x_j, y, MODE, x.dtype)
 
     if PER_SEQ_START:
         # Sequences that begin inside this chunk and reach these rows, each from its own H0.
@@ -197,13 +190,23 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
             start = ct.load(cu_seqlens, (sequence,), shape=())
             exponent = log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk,
                                         ct.maximum(start - first, 0), hi_i, lo_i)
-            h0 = ct.load(start_states, (sequence, head, p_block, 0),
-                         shape=(1, 1, P_BLOCK, N_PAD), padding_mode=ZERO).reshape((P_BLOCK, N_PAD))
-            from_start = precise_mma(C_i, h0.transpose(),
-                                     ct.zeros((ROW_BLOCK, P_BLOCK), dtype=ct.float32), MODE,
-                                     x.dtype)
             scale = ct.where(seq_i == sequence, exp2_nonpos(exponent), 0.0)
-            y = y + from_start * scale[:, None]
+            if TRANSPOSED:
+                h0 = ct.load(start_states, (sequence, head, p_block, 0),
+                             shape=(1, 1, P_BLOCK, N_PAD), padding_mode=ZERO).reshape(
+                                 (P_BLOCK, N_PAD))
+                from_start = precise_mma(h0, C_it, ct.zeros((P_BLOCK, ROW_BLOCK),
+                                                            dtype=ct.float32), MODE, x.dtype)
+                y = y + from_start * scale[None, :]
+            else:
+                h0_t = ct.load(start_states, (sequence, head, p_block, 0),
+                               shape=(1, 1, P_BLOCK, N_PAD), padding_mode=ZERO).reshape(
+                                   (P_BLOCK, N_PAD)).transpose()
+                from_start = precise_mma(C_i, h0_t, ct.zeros((ROW_BLOCK, P_BLOCK),
+                                                             dtype=ct.float32), MODE, x.dtype)
+                y = y + from_start * scale[:, None]
+    if TRANSPOSED:
+        y = y.transpose()
 
     if HAS_D or HAS_Z:
         x_i = ct.load(x, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
@@ -248,14 +251,14 @@ class ComputeOutConfig(KernelVariant):
     per_seq_start: bool = False
     transposed: bool = False
     shared_scores: bool = False
-    factored_decay: bool = False
+    ordered_loads: bool = False
     wide: bool = False
     occupancy: int | None = None
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_pad,
                 MODE[self.precision], self.has_d, self.has_z, self.has_seq, self.per_seq_start,
-                self.transposed, self.shared_scores, self.factored_decay)
+                self.transposed, self.shared_scores, self.ordered_loads)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
@@ -275,7 +278,7 @@ class ComputeOutConfig(KernelVariant):
                 f"PB={self.p_block} N={self.n_pad} {self.precision} "
                 f"D={self.has_d} z={self.has_z} seq={self.has_seq} "
                 f"per_seq_start={self.per_seq_start} transposed={self.transposed} "
-                f"shared_scores={self.shared_scores} factored_decay={self.factored_decay} "
+                f"shared_scores={self.shared_scores} ordered_loads={self.ordered_loads} "
                 f"int64={self.wide} occupancy={self.occupancy}")
 
 

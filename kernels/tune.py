@@ -52,14 +52,11 @@ CANDIDATES = {
     # Occupancy 2 won every compute_out search so far (reports/h200/tune.json): the layout and
     # the sharing knobs get the room instead.
     "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, shared_scores=s,
-                         factored_decay=f)
-                    for (r, p, o), t, s, f in itertools.product(
+                         ordered_loads=l)
+                    for (r, p, o), t, s, l in itertools.product(
                         ((64, 64, 2), (64, 64, 4), (64, 32, 4), (128, 64, 2)),
                         (False, True), (False, True), (False, True))],
 }
-# compute_out's factored decay adds a few float32 ulps to each weight: offered only in modes that
-# round the weights far coarser (kernels/compute_out.py).
-FACTORED_DECAY_MODES = ("tf32", "input", "2xbf16")
 PROBED_CANDIDATES = 4
 FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
 # What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
@@ -91,14 +88,12 @@ def shape_inputs(shape, seqlen=None) -> dict:
     return inputs
 
 
-def fits(cand: dict, shape, mode: str = "tf32") -> bool:
-    """A candidate's tiles divide the chunk and do not exceed the padded headdim and dstate, and
-    its knobs suit the precision mode."""
+def fits(cand: dict, shape) -> bool:
+    """A candidate's tiles divide the chunk and do not exceed the padded headdim and dstate."""
     _, _, _, P, N, _, _ = shape
     p_pad, n_pad = (max(ssd.MIN_TILE, next_pow2(v)) for v in (P, N))
     return (cand.get("row_block", 0) <= ssd.DEFAULT_CHUNK_SIZE and cand.get("p_block", 0) <= p_pad
-            and cand.get("n_block", 0) <= n_pad
-            and (not cand.get("factored_decay") or mode in FACTORED_DECAY_MODES))
+            and cand.get("n_block", 0) <= n_pad)
 
 
 def with_candidate(plan: ssd.Plan, stage: str, cand: dict, precision: str | None = None) -> ssd.Plan:
@@ -137,8 +132,7 @@ def _compile_task(args):
 
 def _search(shape, stage, pool, inputs, plan, dt, cumsum, states):
     """(rows, best): every fitting candidate of ``stage`` timed on ``plan``'s other stages."""
-    mode = getattr(getattr(plan, FIELD[stage]), "precision", "tf32")
-    cands = [c for c in CANDIDATES[stage] if fits(c, shape, mode)]
+    cands = [c for c in CANDIDATES[stage] if fits(c, shape)]
     errors = list(pool.map(_compile_task, [(shape, stage, c, None) for c in cands]))
     rows = []
     for cand, error in zip(cands, errors):
@@ -181,8 +175,8 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
                                  reps=7)
         record["best"][stage] = best
         plan = with_candidate(plan, stage, {k: best[k] for k in best if k != "ms"})
-        # Each probed mode at the PROBED_CANDIDATES fastest candidates of the search (knobs a
-        # mode is not offered with switched off), or at the dispatcher's choice.
+        # Each probed mode at the PROBED_CANDIDATES fastest candidates of the search, or at the
+        # dispatcher's choice.
         timed = sorted((r for r in record["stages"].get(stage, []) if "ms" in r),
                        key=lambda r: r["ms"])[:PROBED_CANDIDATES] or [best]
         tasks = []
@@ -192,8 +186,6 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
                 continue
             for row in timed:
                 cand = {k: row[k] for k in row if k not in ("ms", "error")}
-                if cand.get("factored_decay") and precision not in FACTORED_DECAY_MODES:
-                    cand["factored_decay"] = False
                 tasks.append((shape, stage, cand, precision))
         probes = []
         for (_, _, cand, precision), error in zip(tasks, pool.map(_compile_task, tasks)):

@@ -108,7 +108,7 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared
     def plan_with_knob(*args, **kwargs):
         plan = make_plan(*args, **kwargs)
         return replace(plan, out=replace(plan.out, shared_scores=shared_scores,
-                                         factored_decay=shared_scores))
+                                         ordered_loads=shared_scores))
 
     def fake_launch(stream, grid, kernel, args):
         launches.append((grid, kernel, args))

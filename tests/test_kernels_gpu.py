@@ -85,15 +85,16 @@ def test_strided_inputs_read_through_strides():
 @pytest.mark.parametrize("x_dtype, precision", [("bf16", None), ("bf16", "2xbf16"),
                                                 ("fp32", None)])
 @pytest.mark.parametrize("knobs", [dict(transposed=True), dict(shared_scores=True),
-                                   dict(factored_decay=True),
-                                   dict(shared_scores=True, factored_decay=True, transposed=True)],
+                                   dict(ordered_loads=True),
+                                   dict(shared_scores=True, ordered_loads=True, transposed=True),
+                                   dict(ordered_loads=True, transposed=True)],
                          ids=lambda k: "+".join(k))
 def test_compute_out_tuner_knobs_compute_the_same_output(x_dtype, precision, knobs):
     """compute_out's tuner knobs change operand layouts (``transposed``: y^T = h C^T + x^T W^T),
-    where the scores come from (``shared_scores``: kernels/chunk_scores.py) and how the decay of
-    earlier column blocks is factored (``factored_decay``), not the sums: the output agrees with
-    the default kernel to a rounding, with packed sequences, per-sequence initial states, D and z
-    on, over chunks of several row blocks."""
+    where the scores come from (``shared_scores``: kernels/chunk_scores.py) and whether operands
+    are read transposed or transposed after loading (``ordered_loads``), not the sums: the output
+    agrees with the default kernel to a rounding, with packed sequences, per-sequence initial
+    states, D and z on, over chunks of several row blocks."""
     from dataclasses import replace
     from kernels.ssd import stage_pipeline
     spec = ProblemSpec(batch=1, seqlen=600, nheads=8, headdim=64, dstate=64, ngroups=2,

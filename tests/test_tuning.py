@@ -31,7 +31,7 @@ def test_every_entry_fits_the_kernels_it_configures():
         for stage in tune.CANDIDATES:
             tiles = entry[stage]
             # Knobs the tuner gained after an entry was written hold their config default there.
-            defaults = (dict(transposed=False, shared_scores=False, factored_decay=False)
+            defaults = (dict(transposed=False, shared_scores=False, ordered_loads=False)
                         if stage == "compute_out" else {})
             assert {**defaults, **tiles} in tune.CANDIDATES[stage], f"{stage}: {tiles}"
             assert key["chunk_size"] % tiles.get("row_block", 1) == 0
