@@ -7,8 +7,9 @@
 The scores depend on the group, not on the head: computed inside compute_out they cost one
 (ROW_BLOCK x N) . (N x ROW_BLOCK) MMA per tile per head, the kernel's largest matmul, repeated
 nheads / ngroups times (64 times at the anchor shapes with one group). Here each is computed once
-and compute_out reads the tile instead (``ComputeOutConfig.shared_scores``, a tuner knob). The
-products are the same MMAs at the same precision (``kernels.tile_ops.precise_mma``); a tile
+and compute_out reads the tile instead (``ComputeOutConfig.shared_scores``, chosen from 8 heads
+per group by ``kernels.ssd.shares_scores``, which says what the H200 measured). The products
+are the same MMAs at the same precision (``kernels.tile_ops.precise_mma``); a tile
 covers whole row and column blocks, so the diagonal tiles' masked entries are computed values,
 never unwritten memory that a zero weight would turn into NaN.
 """

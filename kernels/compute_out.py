@@ -15,21 +15,26 @@ A block owns ROW_BLOCK rows of one chunk for one head and P_BLOCK channels; it w
 blocks j <= i of its chunk like causal attention: S = C_i B_j^T (dstate contraction), masked decay
 weights L_ij = 2^(S_i - S_j) (exponent masked before exp2, so a masked entry is 0, never inf * 0),
 then y += (S o L dt_j) x_j. The three matmuls are MMAs with float32 accumulation at the
-precision of ``kernels.tile_ops`` (tensor cores except in the ieee mode). The tuner knob
-``transposed`` accumulates y^T = h C_i^T + x_j^T (S o L dt_j)^T instead: the same sums with the
-computed operands on the other side of the MMA (TileGym's cuTile forward offers both too).
+precision of ``kernels.tile_ops`` (tensor cores except in the ieee mode).
+
+Variants (``ComputeOutConfig``): ``shared_scores`` reads S from kernels/chunk_scores.py, computed
+once per group, instead of an MMA per head (the dispatcher's choice from 8 heads per group,
+``kernels.ssd.shares_scores``). Tuner knobs: ``transposed`` accumulates y^T = h C_i^T +
+x_j^T (B_j C_i^T o L^T dt_j) instead, the same sums with the loaded x_j as the left operand and
+the computed weights as the right one; ``ordered_loads`` reads the transposed operands in the
+order the MMA consumes them rather than transposing loaded tiles.
 
 A NaN or Inf in x, dt or B at position j also reaches the positions before j in its chunk (and
 other sequences packed in it): their masked weight 0 multiplies it inside the MMA.
-Measured on the H200 (bf16, chunk 256, tuned tiles, at (8, 4096, 64 heads); reports/h200/
-experiments/): 1.62 ms in the tuner, 1.42 ms with 'input' precision (bf16 operands). ncu on the
-same kernel with dt folded into the weights (branch perf/operand-fold, 1.62 ms too in TF32; 1.10
-ms in 'input') finds it bound by shared memory, not DRAM (12%) or the tensor pipes: L1/shared
-throughput 61% with 46% of its wavefronts excess (bank conflicts), issue slots 33%, occupancy
-17% (128 registers). The float32 operands (the weights, the state h) travel through shared memory
-as TF32: that traffic, not the MMAs, is what to cut. C_i B_j^T is recomputed by every head of a
-group and every P block; a variant sharing it across 2 or 4 heads (branch perf/compute-out-heads)
-was slower: 1.67 ms at best against 1.52 ms in the same run.
+Measured on the H200 (bf16, chunk 256, (8, 4096, 64 heads, 1 group), tuner, same run;
+reports/h200/experiments/tune_322c7d5.json): 1.58 ms as first tuned (row block 64, P block 64,
+occupancy 2), 1.43 transposed, 1.27 transposed with shared scores, ordered loads and occupancy 4
+(the registers the per-head scores MMA held let 4 blocks share an SM); in 'input' precision
+0.77 ms. At (4, 8192, 32 heads, 8 groups) 0.82 -> 0.70 ms transposed, 0.58 in 'input'. Before
+these, ncu found the kernel bound by shared memory (L1/shared 61%, 46% of its wavefronts
+bank-conflict excess; DRAM 12%, occupancy 17%; experiments/ncu_anchor1_4f66ebf.txt): TF32
+operands must be K-major on Hopper's tensor cores, so a computed or loaded tile in the other
+order is transposed through shared memory; the transposed orientation needs fewer of those.
 """
 from __future__ import annotations
 

@@ -16,11 +16,16 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     split precision: up to ~4e-6, a few times float32's error, which a float32 reference-grade
     rule rejects, hence an opt-in. "tf32" is the fast opt-in: ~2e-4..3e-4 (operands rounded to
     10-bit mantissas; mamba_ssm's 1.2e-3 on float32 inputs is the same kind).
-  - bf16 x: "tf32" by default: raw 16-bit products (C.B^T) run in the input dtype, exact;
-    computed operands (decay-weighted scores, dt*x, states) of the output's matmuls are rounded to
-    TF32 (2^-11), 8x below bf16's own rounding (2^-8). "input" rounds them to bf16 instead, as
-    mamba_ssm does. "2xbf16" (opt-in, not yet measured on the GPU) cuts them into two bf16 terms
-    instead (~2^-18 relative), with the chunk-state matmul in three ("3xbf16").
+  - bf16 x: "input" by default: raw 16-bit products (C.B^T) run in the input dtype, exact; the
+    computed operands of the output's matmuls (decay-weighted scores, the entering states) are
+    rounded to bf16, as mamba_ssm does, while chunk and final states stay float32-grade (below).
+    It was "tf32" (those operands rounded to 2^-11, 8x below bf16's own rounding) until the H200
+    tuner measured compute_out at 0.77 ms in "input" against 1.27 ms in "tf32" at the best tiles
+    of each (8, 4096, 64 heads; reports/h200/experiments/tune_322c7d5.json); a CPU model of the
+    rounding puts "input" at 0.11-0.28 of the accuracy rule over the envelope's bf16 cells
+    (tests/test_precision_model.py) and the H200 envelope judges it (reports/h200/envelope.md).
+    "tf32" stays an opt-in; "2xbf16" cuts those operands into two bf16 terms (~2^-18 relative),
+    with the chunk-state matmul in three ("3xbf16"): 1.17 and 1.35 ms in the same run.
   - fp16 x: "3xtf32" by default. TF32 keeps fp16's own 11 bits, so rounding the computed operands
     to it costs an fp16 rounding of every *term* of an output, and terms can be far larger than the
     output they cancel to: on the H200 envelope's large-magnitude fp16 cells (terms ~1e7, outputs
@@ -89,7 +94,12 @@ P_BLOCK = 64
 STATE_N_BLOCK = 64
 TUNED_TABLE = os.path.join(os.path.dirname(__file__), "tuned.json")
 # What precision='auto' means per x dtype (module docstring says why).
-AUTO_PRECISION = {torch.float32: "ieee", torch.bfloat16: "tf32", torch.float16: "3xtf32"}
+AUTO_PRECISION = {torch.float32: "ieee", torch.bfloat16: "input", torch.float16: "3xtf32"}
+# Heads per group from which compute_out shares the scores C_i . B_j^T across them. On the H200
+# (tuner, bf16, reports/h200/experiments/tune_322c7d5.json) sharing won with 64 heads per group
+# (tf32 1.27 vs 1.43 ms at the best tiles: freed registers let 4 blocks share an SM) and lost
+# with 4 (0.80 vs 0.70 ms: the (b, L, G, Q) scores traffic outweighs 4 small MMAs); 8 is between.
+SHARED_SCORES_MIN_HEADS = 8
 # Opt-in modes for bf16 x only (kernels/tile_ops.py); their chunk-state matmul runs 3xbf16.
 BF16_SPLITS = ("2xbf16", "3xbf16")
 
@@ -200,11 +210,19 @@ def state_precision(mode: str, x_dtype: torch.dtype) -> str:
     return "3xtf32" if x_dtype != torch.float32 and mode in ("tf32", "input") else mode
 
 
+def shares_scores(key: ProblemKey) -> bool:
+    """Whether compute_out reads C_i . B_j^T from kernels/chunk_scores.py (once per group) rather
+    than computing it per head: when at least SHARED_SCORES_MIN_HEADS heads share a group."""
+    return key.nheads // key.ngroups >= SHARED_SCORES_MIN_HEADS
+
+
 def tuning_key(key: ProblemKey, mode: str) -> dict:
-    """What kernels/tuned.json's entries match on: the padded tile extents, chunk, dtype, mode."""
+    """What kernels/tuned.json's entries match on: the padded tile extents, chunk, dtype, mode,
+    and whether the scores are shared (a different kernel, with its own best tiles)."""
     return dict(headdim=max(MIN_TILE, next_pow2(key.headdim)),
                 dstate=max(MIN_TILE, next_pow2(key.dstate)), chunk_size=key.chunk_size,
-                x_dtype=str(key.x_dtype).replace("torch.", ""), precision=mode)
+                x_dtype=str(key.x_dtype).replace("torch.", ""), precision=mode,
+                shared_scores=shares_scores(key))
 
 
 def load_tuning_entries(path: str) -> list[dict]:
@@ -323,7 +341,7 @@ def make_plan(key: ProblemKey, state_dtype: torch.dtype = DEFAULT_STATE_DTYPE,
         cu_dtype=key.cu_dtype or int32, chunk_size=Q, row_block=row_block, p_block=p_block,
         n_pad=n_pad, precision=mode,
         has_d=key.has_d, has_z=key.z_dtype is not None, has_seq=has_seq,
-        per_seq_start=key.per_seq_start, wide=wide)
+        per_seq_start=key.per_seq_start, shared_scores=shares_scores(key), wide=wide)
     out = replace(out, **tuned.get("compute_out", {}))
     return Plan(cumsum, chunk_state, passing, out)
 

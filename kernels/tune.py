@@ -51,17 +51,16 @@ CANDIDATES = {
                                         (None, 4, 8, 16))],
     # Occupancy 2 won every compute_out search so far (reports/h200/tune.json): the layout and
     # the sharing knobs get the room instead.
-    "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, shared_scores=s,
-                         ordered_loads=l)
-                    for (r, p, o), t, s, l in itertools.product(
+    "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, ordered_loads=l)
+                    for (r, p, o), t, l in itertools.product(
                         ((64, 64, 2), (64, 64, 4), (64, 32, 4), (128, 64, 2)),
-                        (False, True), (False, True), (False, True))],
+                        (False, True), (False, True))],
 }
 PROBED_CANDIDATES = 4
 FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
 # What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
 PRECISION_PROBES = {"chunk_state": ("tf32", "input", "3xbf16"),
-                    "compute_out": ("input", "2xbf16", "3xbf16")}
+                    "compute_out": ("tf32", "input", "2xbf16", "3xbf16")}
 
 
 def parse_shape(text: str) -> tuple:
@@ -180,8 +179,9 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
         timed = sorted((r for r in record["stages"].get(stage, []) if "ms" in r),
                        key=lambda r: r["ms"])[:PROBED_CANDIDATES] or [best]
         tasks = []
+        searched = getattr(getattr(plan, FIELD[stage]), "precision", None)
         for precision in PRECISION_PROBES.get(stage, ()):
-            if ((precision == "input" and shape[-1] == "float32")
+            if (precision == searched or (precision == "input" and shape[-1] == "float32")
                     or (precision in ssd.BF16_SPLITS and shape[-1] != "bfloat16")):
                 continue
             for row in timed:
@@ -200,26 +200,59 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
     tuned = _pipeline(inputs, plan)
     record["tuned_ms"] = time_ms(_stage_call(tuned, "compute_out", dt, cumsum, states), reps=7) \
         + time_ms(_stage_call(tuned, "states", dt, cumsum, states), reps=7)
-    record["key"] = ssd.tuning_key(
-        ssd.ProblemKey.from_problem(base.problem, varlen=False, wide=False),
-        ssd.resolve_precision(None, inputs["x"].dtype))
+    record["key"] = record_key(record, ssd.resolve_precision(None, inputs["x"].dtype))
     del inputs
     torch.cuda.empty_cache()
     return record
 
 
+def record_key(record: dict, precision: str) -> dict:
+    """The dispatcher key (``ssd.tuning_key``) of a tuned shape in a precision mode."""
+    shape = record["shape"]
+    dtype = getattr(torch, shape["dtype"])
+    key = ssd.ProblemKey(batch=shape["batch"], seqlen=shape["seqlen"], nheads=shape["nheads"],
+                         headdim=shape["headdim"], dstate=shape["dstate"],
+                         ngroups=shape["ngroups"], chunk_size=ssd.DEFAULT_CHUNK_SIZE,
+                         x_dtype=dtype, b_dtype=dtype, c_dtype=dtype)
+    return ssd.tuning_key(key, precision)
+
+
+def _tiles(stage: str, row: dict) -> dict:
+    return {k: row[k] for k in CANDIDATES[stage][0] if k in row}
+
+
+def _fastest(rows: list[dict], shared: bool) -> dict | None:
+    """The fastest timed row run with the key's score sharing (rows of runs that searched it as
+    a knob say which they had)."""
+    timed = [r for r in rows if r.get("ms") is not None and r.get("shared_scores", shared) == shared]
+    return min(timed, key=lambda r: r["ms"]) if timed else None
+
+
 def table(records: list[dict], provenance: dict, command: str) -> dict:
     """The winners per dispatcher key: the first shape of a key decides (the others measured at
-    that key are listed with their own winners' times, for the reader to compare)."""
+    that key are listed with their own winners' times, for the reader to compare). Each probed
+    compute_out mode gets an entry too, from its fastest probe (the other stages' tiles are the
+    searched mode's)."""
     entries = {}
     for r in records:
-        key = json.dumps(r["key"], sort_keys=True)
-        entry = entries.setdefault(key, dict(
-            key=r["key"], **{s: {k: v for k, v in r["best"][s].items() if k != "ms"}
-                             for s in CANDIDATES}, measured=[]))
-        entry["measured"].append(dict(shape=r["shape"], default_ms=round(r["default_ms"], 4),
-                                      tuned_ms=round(r["tuned_ms"], 4),
-                                      own_winners={s: r["best"][s] for s in CANDIDATES}))
+        searched = r["key"]["precision"]
+        key = record_key(r, searched)
+        best = {s: _fastest(r.get("stages", {}).get(s, []), key["shared_scores"]) or r["best"][s]
+                for s in CANDIDATES}
+        found = {searched: (best, dict(default_ms=round(r["default_ms"], 4),
+                                       tuned_ms=round(r["tuned_ms"], 4)))}
+        for mode in {p["precision"] for p in r.get("precision_probes", {}).get("compute_out", [])}:
+            probe = _fastest([p for p in r["precision_probes"]["compute_out"]
+                              if p["precision"] == mode], key["shared_scores"])
+            if probe is not None and mode != searched:
+                found[mode] = (dict(best, compute_out=probe),
+                               dict(probed=True, compute_out_ms=round(probe["ms"], 4)))
+        for mode, (winners, times) in found.items():
+            key = record_key(r, mode)
+            entry = entries.setdefault(json.dumps(key, sort_keys=True), dict(
+                key=key, **{s: _tiles(s, winners[s]) for s in CANDIDATES}, measured=[]))
+            entry["measured"].append(dict(shape=r["shape"], **times,
+                                          own_winners={s: winners[s] for s in CANDIDATES}))
     return dict(produced_by=command, tuned_by=provenance.get("command"), provenance=provenance,
                 entries=list(entries.values()))
 

@@ -375,7 +375,8 @@ def our_contenders(problem) -> Iterator[Contender]:
     }
     variants = {"chunk_cumsum": plan.cumsum.describe(),
                 "fwd_pass_state": f"{plan.chunk_state.describe()}; {plan.state_passing.describe()}",
-                "compute_out": plan.out.describe()}
+                "compute_out": "; ".join(cfg.describe() for name, cfg in plan.named_configs()
+                                         if name in ("chunk_scores", "compute_out"))}
     for stage in STAGES:
         # The last stage's output is the forward's: checked against the reference like ours, it
         # shows that the stages timed are the work ssd_forward does.

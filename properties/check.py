@@ -24,8 +24,8 @@ from kernels.contract import SSDProblem
 from oracles.common import LOG2_E, OracleBudgetError, SSDResult, chunk_boundaries, prepare
 from oracles.sequential import sequential_ssd
 from properties import tolerances
-from properties.impls import (ImplUnavailable, available_impls, get_impl, problem_features,
-                              reference)
+from properties.impls import (IMPL_NAMES_HELP, ImplUnavailable, available_impls, get_impl,
+                              problem_features, reference)
 from properties.metrics import error_metrics, owed_finite
 from properties.problems import DTYPES, ProblemSpec, build_problem
 from properties.regimes import REGIMES
@@ -290,8 +290,7 @@ def spec_from_args(args: argparse.Namespace) -> ProblemSpec:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_problem_arguments(parser)
     parser.add_argument("--impl", action="append", metavar="NAME",
-                        help="implementation to run (repeatable): cutile, reference, "
-                             "reference-fp64, mamba_ssm or package.module:function; default: "
+                        help=f"implementation to run (repeatable): {IMPL_NAMES_HELP}; default: "
                              "every built-in one available here")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--mpmath-slices", type=int, default=MPMATH_SLICES,

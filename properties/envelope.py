@@ -34,7 +34,7 @@ from oracles.chunked_reference import chunked_ssd
 from oracles.common import prepare
 from properties import provenance, repro, tolerances
 from properties.check import baseline_errors, exact_stages, result_stages, stage_dtype
-from properties.impls import Impl, ImplUnavailable, get_impl
+from properties.impls import IMPL_NAMES_HELP, Impl, ImplUnavailable, get_impl
 from properties.metrics import error_metrics
 from properties.problems import DTYPE_NAMES, DTYPES, ProblemSpec, build_problem
 from properties.regimes import REGIMES
@@ -487,9 +487,8 @@ def _select(cells: list[Cell], pattern: Optional[str]) -> list[Cell]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impl", action="append", metavar="NAME",
-                        help="implementation to measure (repeatable): cutile, reference, "
-                             "reference-fp64, mamba_ssm or package.module:function; default "
-                             "cutile on a GPU, reference on the CPU")
+                        help=f"implementation to measure (repeatable): {IMPL_NAMES_HELP}; "
+                             "default cutile on a GPU, reference on the CPU")
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="write envelope.json, envelope.md and plots here (default "
                              "reports/<device-label>/; with --check, nothing unless given)")

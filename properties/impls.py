@@ -1,6 +1,7 @@
 """Implementations under test behind one interface: ``get_impl(name)(problem) -> SSDResult``.
 
-Names: ``cutile`` (the project's kernels, CUDA), ``reference`` (the chunked reference computing in
+Names: ``cutile`` (the project's kernels, CUDA; ``cutile:MODE`` runs them in precision mode MODE,
+e.g. ``cutile:tf32``, kernels/ssd.py), ``reference`` (the chunked reference computing in
 float32: the baseline of the accuracy rule), ``reference-fp64`` (the same algorithm in float64),
 ``mamba_ssm`` (its Triton ``mamba_chunk_scan_combined``, CUDA, where importable) and
 ``package.module:function``: any function with the contract's signature (``kernels.contract``),
@@ -37,6 +38,9 @@ FEATURES = {
     "low_precision_states": "initial states in bf16/fp16",
 }
 BUILTIN = ("cutile", "reference", "reference-fp64", "mamba_ssm")
+# What an --impl option takes, for the commands' help.
+IMPL_NAMES_HELP = ("cutile, cutile:<precision mode>, reference, reference-fp64, mamba_ssm or "
+                   "package.module:function")
 
 
 class ImplUnavailable(RuntimeError):
@@ -160,7 +164,8 @@ def reference(compute_dtype: torch.dtype,
     return run
 
 
-def _cutile() -> Impl:
+def _cutile(precision: Optional[str] = None) -> Impl:
+    """The kernels, in the precision mode they pick (None) or in ``precision``."""
     if not torch.cuda.is_available():
         raise ImplUnavailable("cutile needs a CUDA device; none is visible to torch")
     import kernels  # noqa: PLC0415  (a GPU with a broken cuTile must fail loudly, not skip)
@@ -171,12 +176,16 @@ def _cutile() -> Impl:
     chunk_sizes = getattr(kernels, "SUPPORTED_CHUNK_SIZES", None)
     unsupported = dict(getattr(kernels, "UNSUPPORTED_FEATURES", {}))
 
+    modes = {} if precision is None else {"precision": precision}
+
     def run(problem: SSDProblem) -> SSDResult:
         if staged is not None:
-            return _contract_result(problem, staged(problem))
-        return _call_contract(forward, problem)
+            return _contract_result(problem, staged(problem, **modes))
+        return _call_contract(forward, problem, **modes)
 
-    return Impl("cutile", "the cuTile kernels (kernels.ssd_forward)", run, device="cuda",
+    name = "cutile" if precision is None else f"cutile:{precision}"
+    return Impl(name, f"the cuTile kernels (kernels.ssd_forward{f', {precision!r}' if modes else ''})",
+                run, device="cuda",
                 chunk_sizes=None if chunk_sizes is None else tuple(chunk_sizes),
                 unsupported=unsupported, exposes_stages=staged is not None)
 
@@ -222,8 +231,8 @@ def _user(spec: str) -> Impl:
 
 def get_impl(name: str) -> Impl:
     """The implementation called ``name``; ImplUnavailable when it cannot run on this machine."""
-    if name == "cutile":
-        return _cutile()
+    if name == "cutile" or name.startswith("cutile:"):
+        return _cutile(name.partition(":")[2] or None)
     if name == "mamba_ssm":
         return _mamba_ssm()
     if name in ("reference", "reference-fp64"):

@@ -33,7 +33,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from kernels.ssd import TUNING_CACHE_ENV
 from properties import repro
-from properties.impls import ImplUnavailable, get_impl
+from properties.impls import IMPL_NAMES_HELP, ImplUnavailable, get_impl
 from properties.provenance import REPO_ROOT
 from properties.strategies import DTYPE_MIXES
 
@@ -66,8 +66,7 @@ settings.load_profile(os.environ.get(PROFILE_ENV) or "ci")
 
 def pytest_addoption(parser):
     parser.addoption("--impl", default=os.environ.get(IMPL_ENV, "reference"),
-                     help="implementation(s) under test, comma-separated: cutile, reference, "
-                          "reference-fp64, mamba_ssm or package.module:function "
+                     help=f"implementation(s) under test, comma-separated: {IMPL_NAMES_HELP} "
                           f"(default: ${IMPL_ENV} or reference)")
 
 

@@ -104,3 +104,13 @@ def test_repro_of_an_implementation_this_machine_lacks_says_so(tmp_path):
     assert "--impl reference" in run.stderr
     other = cli("repro", str(path), "--impl", "reference")
     assert other.returncode == 0, other.stdout + other.stderr
+
+
+def test_cutile_in_a_precision_mode_is_an_implementation_name():
+    from properties.impls import ImplUnavailable, get_impl
+    if torch.cuda.is_available():
+        impl = get_impl("cutile:tf32")
+        assert impl.name == "cutile:tf32" and "'tf32'" in impl.description
+    else:
+        with pytest.raises(ImplUnavailable, match="cutile needs a CUDA device"):
+            get_impl("cutile:tf32")

@@ -57,6 +57,8 @@ def mma(mode: str, a: torch.Tensor, b: torch.Tensor, exact: str) -> torch.Tensor
         return a @ b
     if mode == "tf32":
         return tf32(a) @ tf32(b)
+    if mode == "input":                 # bf16 x: both operands rounded to bf16
+        return bf16(a) @ bf16(b)
     if mode in ("2xbf16", "3xbf16") and exact:
         terms = split(a if exact == "b" else b, int(mode[0]), bf16)
         if exact == "b":
@@ -141,11 +143,17 @@ def test_the_model_sees_tf32_overflow_fp16_where_the_h200_did(name, seed):
     assert nonfinite > 0
 
 
-def test_tf32_stays_the_bf16_default_because_it_is_sound_there():
-    """bf16 rounds 8x coarser than TF32: the same large-magnitude recipe passes in tf32."""
-    assert resolve_precision(None, torch.bfloat16) == "tf32"
-    nonfinite, ratio = judged(cell_problem("large_magnitude/bf16/L1000", 0), "tf32")
-    assert nonfinite == 0 and ratio <= 1.0, ratio
+@pytest.mark.parametrize("name,seed", [("large_magnitude/bf16/L1000", 0),
+                                       ("strong_decay/bf16/L1000", 1),
+                                       ("large_initial_state/bf16/L4096", 0)])
+def test_the_bf16_default_rounds_weights_to_bf16_within_the_rule(name, seed):
+    """bf16 x defaults to 'input': the computed operands (weights, states) rounded to bf16, as
+    mamba_ssm does. Where fp16's 11 bits overflowed (above), bf16 keeps float32's range; over
+    the envelope's bf16 cells the model puts its output error at 0.11-0.28 of the rule, against
+    0.10-0.21 in TF32; these are the cells where it grew most."""
+    assert resolve_precision(None, torch.bfloat16) == "input"
+    nonfinite, ratio = judged(cell_problem(name, seed), "input")
+    assert nonfinite == 0 and ratio <= 0.35, ratio
 
 
 @pytest.mark.parametrize("name,seed", [("large_magnitude/bf16/L1000", 0),

@@ -14,6 +14,13 @@ from kernels import ssd, tune
 from kernels.tile_ops import next_pow2
 
 bf16 = torch.bfloat16
+DEFAULT = ssd.resolve_precision(None, bf16)
+
+
+def anchor_shape(batch: int) -> dict:
+    """A tune.json record's shape: the first anchor at another batch."""
+    return dict(batch=batch, seqlen=4096, nheads=64, headdim=64, dstate=128, ngroups=1,
+                dtype="bfloat16")
 
 
 def anchor_key(**kw) -> ssd.ProblemKey:
@@ -26,26 +33,34 @@ def test_every_entry_fits_the_kernels_it_configures():
     assert entries, "kernels/tuned.json is missing or empty"
     for entry in entries.values():
         key = entry["key"]
-        assert set(key) == {"headdim", "dstate", "chunk_size", "x_dtype", "precision"}
+        assert set(key) == {"headdim", "dstate", "chunk_size", "x_dtype", "precision",
+                            "shared_scores"}
         assert key["headdim"] == next_pow2(key["headdim"]) and key["dstate"] == next_pow2(key["dstate"])
         for stage in tune.CANDIDATES:
             tiles = entry[stage]
             # Knobs the tuner gained after an entry was written hold their config default there.
-            defaults = (dict(transposed=False, shared_scores=False, ordered_loads=False)
-                        if stage == "compute_out" else {})
+            defaults = dict(transposed=False, ordered_loads=False) if stage == "compute_out" else {}
             assert {**defaults, **tiles} in tune.CANDIDATES[stage], f"{stage}: {tiles}"
             assert key["chunk_size"] % tiles.get("row_block", 1) == 0
             assert tiles.get("p_block", 0) <= key["headdim"] and tiles.get("n_block", 0) <= key["dstate"]
-        assert entry["measured"][0]["tuned_ms"] < entry["measured"][0]["default_ms"]
+        first = entry["measured"][0]
+        if first.get("probed"):       # a probed mode: compute_out timed at the searched tiles
+            assert first["compute_out_ms"] > 0
+        else:
+            assert first["tuned_ms"] < first["default_ms"]
 
 
-def test_the_dispatcher_takes_the_table_entry_of_its_key():
-    entry = next(iter(ssd.TUNED.values()))
+@pytest.mark.parametrize("index", range(len(ssd.TUNED)))
+def test_the_dispatcher_takes_the_table_entry_of_its_key(index):
+    entry = list(ssd.TUNED.values())[index]
     key = entry["key"]
     dtype = getattr(torch, key["x_dtype"])
+    # 64 heads in 1 group share their scores, 64 groups of 1 do not.
     problem = replace(anchor_key(), headdim=key["headdim"], dstate=key["dstate"],
-                      chunk_size=key["chunk_size"], x_dtype=dtype, b_dtype=dtype, c_dtype=dtype)
+                      chunk_size=key["chunk_size"], x_dtype=dtype, b_dtype=dtype, c_dtype=dtype,
+                      ngroups=1 if key["shared_scores"] else 64)
     plan = ssd.make_plan(problem, precision=key["precision"])
+    assert plan.out.shared_scores == key["shared_scores"]
     for stage, field in tune.FIELD.items():
         config = getattr(plan, field)
         for name, value in entry[stage].items():
@@ -54,6 +69,14 @@ def test_the_dispatcher_takes_the_table_entry_of_its_key():
                 assert getattr(config, name) <= value
             else:
                 assert getattr(config, name) == value, (stage, name)
+
+
+def test_scores_are_shared_from_eight_heads_per_group():
+    assert ssd.make_plan(anchor_key()).out.shared_scores
+    assert ssd.make_plan(replace(anchor_key(), nheads=32, ngroups=4)).out.shared_scores
+    assert not ssd.make_plan(replace(anchor_key(), nheads=32, ngroups=8)).out.shared_scores
+    assert (ssd.tuning_key(anchor_key(), DEFAULT)
+            != ssd.tuning_key(replace(anchor_key(), ngroups=16), DEFAULT))
 
 
 def test_a_key_without_an_entry_keeps_the_heuristics(monkeypatch):
@@ -65,10 +88,11 @@ def test_a_key_without_an_entry_keeps_the_heuristics(monkeypatch):
                                                                           ssd.STATE_N_BLOCK)
     assert untuned != tuned
     # The key includes the precision mode and the dtype: 'input' or fp16 x is another entry.
-    monkeypatch.setattr(ssd, "TUNED", {json.dumps(ssd.tuning_key(anchor_key(), "tf32"),
+    monkeypatch.setattr(ssd, "TUNED", {json.dumps(ssd.tuning_key(anchor_key(), DEFAULT),
                                                   sort_keys=True): {"compute_out": {"occupancy": 3}}})
     assert ssd.make_plan(anchor_key()).out.occupancy == 3
-    assert ssd.make_plan(anchor_key(), precision="input").out.occupancy is None
+    other = "tf32" if DEFAULT != "tf32" else "input"
+    assert ssd.make_plan(anchor_key(), precision=other).out.occupancy is None
     fp16 = replace(anchor_key(), x_dtype=torch.float16, b_dtype=torch.float16,
                    c_dtype=torch.float16)
     assert ssd.make_plan(fp16).out.occupancy is None
@@ -80,23 +104,33 @@ def test_table_takes_the_first_shape_of_a_key_and_lists_all(tmp_path, monkeypatc
                                     occupancy=chunk_state_occupancy, ms=1.0),
                 "state_passing": dict(p_block=32, n_block=64, occupancy=4, ms=1.0),
                 "compute_out": dict(row_block=64, p_block=64, occupancy=2, ms=1.0)}
-        return dict(shape=dict(batch=batch), key=ssd.tuning_key(anchor_key(), "tf32"), best=best,
-                    default_ms=3.0, tuned_ms=tuned_ms)
+        return dict(shape=anchor_shape(batch), key=ssd.tuning_key(anchor_key(), DEFAULT),
+                    best=best, default_ms=3.0, tuned_ms=tuned_ms)
 
+    probed = record(8, 2, 2.0)
+    other = "tf32" if DEFAULT != "tf32" else "input"
+    probed["precision_probes"] = {"compute_out": [
+        dict(row_block=64, p_block=64, occupancy=4, transposed=True, precision=other, ms=0.9),
+        dict(row_block=128, p_block=64, occupancy=2, precision=other, ms=0.8),
+        dict(row_block=64, p_block=32, occupancy=4, precision="2xbf16", ms=None, error="x")]}
     saved = dict(provenance=dict(command="kernels/tune.py --out X", git_commit="abc"),
-                 records=[record(8, 2, 2.0), record(1, 4, 1.5)])
+                 records=[probed, record(1, 4, 1.5)])
     source = tmp_path / "tune.json"
     source.write_text(json.dumps(saved))
     monkeypatch.setattr(tune, "TABLE_PATH", str(tmp_path / "tuned.json"))
     assert tune.main(["--table-from", str(source)]) == 0
     written = json.loads((tmp_path / "tuned.json").read_text())
-    (entry,) = written["entries"]
+    entry, probe_entry = written["entries"]     # a mode whose probes all failed has none
+    assert probe_entry["key"] == ssd.tuning_key(anchor_key(), other)
+    assert probe_entry["compute_out"] == dict(row_block=128, p_block=64, occupancy=2)
+    assert probe_entry["chunk_state"] == entry["chunk_state"]
+    assert probe_entry["measured"][0]["compute_out_ms"] == 0.8
     assert entry["chunk_state"]["occupancy"] == 2 and "ms" not in entry["chunk_state"]
     assert [m["shape"]["batch"] for m in entry["measured"]] == [8, 1]
     assert written["provenance"]["git_commit"] == "abc"
     assert written["tuned_by"] == "kernels/tune.py --out X"
     loaded = ssd.load_tuning_entries(str(tmp_path / "tuned.json"))
-    assert [e["key"] for e in loaded] == [ssd.tuning_key(anchor_key(), "tf32")]
+    assert [e["key"] for e in loaded] == [ssd.tuning_key(anchor_key(), m) for m in (DEFAULT, other)]
 
 
 def test_tuner_candidates_respect_the_problem_sizes():
@@ -118,7 +152,7 @@ def _tuned_document(occupancy: int, device: str = "NVIDIA H200") -> dict:
     best = {"chunk_state": dict(row_block=64, p_block=32, n_block=128, occupancy=occupancy, ms=1.0),
             "state_passing": dict(p_block=32, n_block=64, occupancy=4, ms=1.0),
             "compute_out": dict(row_block=64, p_block=32, occupancy=occupancy, ms=1.0)}
-    record = dict(shape=dict(batch=2), key=ssd.tuning_key(anchor_key(), "tf32"), best=best,
+    record = dict(shape=anchor_shape(2), key=ssd.tuning_key(anchor_key(), DEFAULT), best=best,
                   default_ms=3.0, tuned_ms=2.0)
     return tune.table([record], dict(device=device, git_commit="abc"), "python3 -m kernels.tune")
 
@@ -143,7 +177,7 @@ def test_calls_prefer_the_cache_entry_of_their_gpu_model(tmp_path, monkeypatch):
     plan = ssd.make_plan(anchor_key())
     assert (plan.out.occupancy, plan.out.p_block, plan.chunk_state.occupancy) == (3, 32, 3)
     # Another GPU model, or no GPU at all (CI compiling variants): the repository's table.
-    table = ssd.TUNED[json.dumps(ssd.tuning_key(anchor_key(), "tf32"), sort_keys=True)]
+    table = ssd.TUNED[json.dumps(ssd.tuning_key(anchor_key(), DEFAULT), sort_keys=True)]
     for device in ("NVIDIA A100", None):
         monkeypatch.setattr(ssd, "current_device", lambda d=device: d)
         assert ssd.make_plan(anchor_key()).out.occupancy == table["compute_out"]["occupancy"]
