@@ -7,6 +7,8 @@ is ``kernels.contract``).
     fwd_pass_state  chunk_states (b, nchunks, H, P, N) state_dtype,        kernels/fwd_pass_state.py
                     final_states (b, H, P, N) fp32, varlen_states fp32
     compute_out     out (b, L, H, P) in x's dtype                          kernels/compute_out.py
+                    (from 8 heads per group, after the scores C.B^T of     kernels/chunk_scores.py
+                    each chunk, once per group)
 
 Precision (``precision=``; kernels/tile_ops.py says what each mode computes). Errors below are
 normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
@@ -23,7 +25,9 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     tuner measured compute_out at 0.77 ms in "input" against 1.27 ms in "tf32" at the best tiles
     of each (8, 4096, 64 heads; reports/h200/experiments/tune_322c7d5.json); a CPU model of the
     rounding puts "input" at 0.11-0.28 of the accuracy rule over the envelope's bf16 cells
-    (tests/test_precision_model.py) and the H200 envelope judges it (reports/h200/envelope.md).
+    (tests/test_precision_model.py). The H200 envelope (a83356f) measured both in one run: over
+    the bf16 cells the worst output error rose from 1.71e-3 to 2.38e-3 normwise (0.216 to 0.283
+    of the rule; 1.44x the error of rounding the exact output to bf16, mamba_ssm's level).
     "tf32" stays an opt-in; "2xbf16" cuts those operands into two bf16 terms (~2^-18 relative),
     with the chunk-state matmul in three ("3xbf16"): 1.17 and 1.35 ms in the same run.
   - fp16 x: "3xtf32" by default. TF32 keeps fp16's own 11 bits, so rounding the computed operands
@@ -46,11 +50,13 @@ every entering state to 2^-8: chunk_states' error grows from ~2e-7 to ~1.7e-3 no
 outputs' by ~20% (2.05e-3 vs ~1.7e-3), and float32 outputs would lose float32 grade entirely.
 
 Tiles and occupancy hints: from kernels/tuned.json where a call matches one of its keys (padded
-headdim and dstate, chunk size, x dtype, precision mode), else the heuristics in ``make_plan``. The
-table is written by ``python3 -m kernels.tune`` from H200 measurements (reports/h200/tune.json):
-for bf16, headdim 64, dstate 128, chunk 256 it took the two stages from 3.98 to 2.42 ms at
-(8, 4096, 64 heads) and from 2.12 to 1.34 ms at (4, 8192, 32 heads, 8 groups); occupancy 2 for
-the matmul kernels was the largest single gain. Other keys are untuned. A user tunes their own
+headdim and dstate, chunk size, x dtype, precision mode, shared scores), else the heuristics in
+``make_plan``. The table is written by ``python3 -m kernels.tune`` from H200 measurements: the
+state stages' tiles from reports/h200/tune.json (bf16, headdim 64, dstate 128, chunk 256: the two
+stages from 3.98 to 2.42 ms at (8, 4096, 64 heads); occupancy 2 for the matmul kernels was the
+largest single gain), compute_out's from reports/h200/experiments/tune_322c7d5.json, which
+searched its layout knobs in TF32 and probed every bf16 mode at the four fastest (each probed
+mode has its own entries). Other keys are untuned. A user tunes their own
 shapes with ``python3 -m kernels.tune --shape B,L,H,P,N,G[,dtype] --out DIR --cache``: the winners
 go to a per-user cache (``tuning_cache_path()``, kept per GPU model), which takes precedence over
 the table on that GPU model. Nothing is searched at call time.
