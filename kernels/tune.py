@@ -49,8 +49,8 @@ CANDIDATES = {
     "state_passing": [dict(p_block=p, n_block=n, occupancy=o) for (p, n), o in
                       itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
                                         (None, 4, 8, 16))],
-    # Occupancy 2 won every compute_out search so far (reports/h200/tune.json): the layout and
-    # the sharing knobs get the room instead.
+    # Occupancy 2 or 4 won every compute_out search so far (reports/h200/tune.json,
+    # experiments/tune_322c7d5.json): the layout knobs get the room instead.
     "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, ordered_loads=l)
                     for (r, p, o), t, l in itertools.product(
                         ((64, 64, 2), (64, 64, 4), (64, 32, 4), (128, 64, 2)),
@@ -224,7 +224,8 @@ def _tiles(stage: str, row: dict) -> dict:
 def _fastest(rows: list[dict], shared: bool) -> dict | None:
     """The fastest timed row run with the key's score sharing (rows of runs that searched it as
     a knob say which they had)."""
-    timed = [r for r in rows if r.get("ms") is not None and r.get("shared_scores", shared) == shared]
+    timed = [r for r in rows
+             if r.get("ms") is not None and r.get("shared_scores", shared) == shared]
     return min(timed, key=lambda r: r["ms"]) if timed else None
 
 
@@ -241,9 +242,9 @@ def table(records: list[dict], provenance: dict, command: str) -> dict:
                 for s in CANDIDATES}
         found = {searched: (best, dict(default_ms=round(r["default_ms"], 4),
                                        tuned_ms=round(r["tuned_ms"], 4)))}
-        for mode in {p["precision"] for p in r.get("precision_probes", {}).get("compute_out", [])}:
-            probe = _fastest([p for p in r["precision_probes"]["compute_out"]
-                              if p["precision"] == mode], key["shared_scores"])
+        probed = r.get("precision_probes", {}).get("compute_out", [])
+        for mode in dict.fromkeys(p["precision"] for p in probed):
+            probe = _fastest([p for p in probed if p["precision"] == mode], key["shared_scores"])
             if probe is not None and mode != searched:
                 found[mode] = (dict(best, compute_out=probe),
                                dict(probed=True, compute_out_ms=round(probe["ms"], 4)))
