@@ -116,10 +116,9 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
     # computed transposed (B_j C_i^T): the loaded x_j is then the MMA's left operand and the
     # computed weights the right one, which on the H200 staged through shared memory (this
     # kernel's bound) with fewer conflicts than the other way round (tf32 tuner, 1.33 vs 1.56 ms).
-    h_tile = (batch, chunk, head, p_block, 0)
     if TRANSPOSED:
         C_it = load_transposed(C, batch, rows, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS)
-        h = ct.load(chunk_states, h_tile, shape=(1, 1, 1, P_BLOCK, N_PAD),
+        h = ct.load(chunk_states, (batch, chunk, head, p_block, 0), shape=(1, 1, 1, P_BLOCK, N_PAD),
                     padding_mode=ZERO).reshape((P_BLOCK, N_PAD))
         y = precise_mma(h, C_it, ct.zeros((P_BLOCK, ROW_BLOCK), dtype=ct.float32), MODE, x.dtype)
     else:

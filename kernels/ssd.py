@@ -40,8 +40,9 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     (reports/h200/envelope.md, 4b1e5b9): no Inf, fp16 outputs within 0.25 of the rule. Its fp16
     speed is not yet measured.
   In every 16-bit mode the chunk-state matmul (whose result, final_states, is float32) splits its
-  float32 operand in three TF32 terms against the exact 16-bit one: float32-grade states at 3 MMAs
-  of a small matmul.
+  float32 operand in three terms against the exact 16-bit one: float32-grade states at 3 MMAs of
+  a small matmul. The terms are bf16 under "2xbf16" and "3xbf16", TF32 otherwise
+  (``state_precision``).
 State dtype (``state_dtype=``): chunk_states are stored in float32 by default, the better
 envelope at a small cost. bf16 halves their traffic (the largest after x and out) and saved 5-11%
 of the anchor shapes' time on the H200 (e.g. 3.41 -> 3.11 ms at (8, 4096, 64, 64, 128); measured

@@ -184,9 +184,7 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
             if (precision == searched or (precision == "input" and shape[-1] == "float32")
                     or (precision in ssd.BF16_SPLITS and shape[-1] != "bfloat16")):
                 continue
-            for row in timed:
-                cand = {k: row[k] for k in row if k not in ("ms", "error")}
-                tasks.append((shape, stage, cand, precision))
+            tasks += [(shape, stage, _tiles(stage, row), precision) for row in timed]
         probes = []
         for (_, _, cand, precision), error in zip(tasks, pool.map(_compile_task, tasks)):
             pipeline = _pipeline(inputs, with_candidate(plan, stage, cand, precision))

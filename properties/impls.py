@@ -183,9 +183,10 @@ def _cutile(precision: Optional[str] = None) -> Impl:
             return _contract_result(problem, staged(problem, **modes))
         return _call_contract(forward, problem, **modes)
 
-    name = "cutile" if precision is None else f"cutile:{precision}"
-    return Impl(name, f"the cuTile kernels (kernels.ssd_forward{f', {precision!r}' if modes else ''})",
-                run, device="cuda",
+    name, call = "cutile", "kernels.ssd_forward"
+    if precision is not None:
+        name, call = f"{name}:{precision}", f"{call}, precision={precision!r}"
+    return Impl(name, f"the cuTile kernels ({call})", run, device="cuda",
                 chunk_sizes=None if chunk_sizes is None else tuple(chunk_sizes),
                 unsupported=unsupported, exposes_stages=staged is not None)
 
