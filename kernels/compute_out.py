@@ -46,24 +46,10 @@ import torch
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
                               index_variants, kernel_signature, load_log2_cumsum,
-                              log2_decay_between, log2_decay_since, precise_mma,
+                              load_transposed, log2_decay_between, log2_decay_since, precise_mma,
                               scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
-
-
-@ct.function
-def load_transposed(array, i0, rows, i2, cols, ROWS: ct.Constant[int], COLS: ct.Constant[int],
-                    ORDERED: ct.Constant[bool]):
-    """The (1, ROWS, 1, COLS) tile of a 4-d array at tile index (i0, rows, i2, cols), as a
-    (COLS, ROWS) tile: read in transposed order by the load (ORDERED) or loaded and transposed."""
-    if ORDERED:
-        t = ct.load(array, (i0, cols, i2, rows), shape=(1, COLS, 1, ROWS), order=(0, 3, 2, 1),
-                    padding_mode=ZERO).reshape((COLS, ROWS))
-    else:
-        t = ct.load(array, (i0, rows, i2, cols), shape=(1, ROWS, 1, COLS),
-                    padding_mode=ZERO).reshape((ROWS, COLS)).transpose()
-    return t
 
 
 @ct.function

@@ -38,7 +38,7 @@ import torch
 
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, is_16bit,
                               index_variants, kernel_signature, load_log2_cumsum, log2_cumsum_at,
-                              log2_decay_between, log2_decay_since, precise_mma,
+                              load_transposed, log2_decay_between, log2_decay_since, precise_mma,
                               scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
@@ -51,7 +51,8 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
                        P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int],
                        MODE: ct.Constant[int],
                        HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
-                       VARLEN: ct.Constant[bool]):
+                       VARLEN: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
+                       ORDERED_LOADS: ct.Constant[bool]):
     # Heads vary fastest: blocks running together read the same chunk of B (one group).
     pid = ct.bid(0)
     head = pid % nheads
@@ -82,15 +83,33 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
     if p_block == 0 and n_block == 0:
         ct.store(carry_weight, (batch, head, target), weight.reshape((1, 1, 1)))
 
-    acc = ct.zeros((P_BLOCK, N_BLOCK), dtype=ct.float32)
+    # The increment is a contraction over the chunk's positions, the strided axis of both x and
+    # B: one operand is transposed (read so by the load with ORDERED_LOADS, else after it).
+    # TRANSPOSED accumulates its transpose (N_BLOCK x P_BLOCK) = B^T x instead: the tuner weighs
+    # which operand that is and which tile extent the MMA's rows get.
+    if TRANSPOSED:
+        acc = ct.zeros((N_BLOCK, P_BLOCK), dtype=ct.float32)
+    else:
+        acc = ct.zeros((P_BLOCK, N_BLOCK), dtype=ct.float32)
+    # The weights ride on one operand; the other stays as loaded. A 16-bit operand left alone is
+    # exact in TF32, so the split modes cut only the weighted one, in 3 terms (~2^-33 per
+    # product) instead of both in 2 (~2^-22). Between operands of one kind, weighting the
+    # smaller tile costs fewer elementwise ops and splits.
+    weight_x = is_16bit(x) == is_16bit(B) and P_BLOCK <= N_BLOCK or is_16bit(B) and not is_16bit(x)
     rows_per_chunk = CHUNK // ROW_BLOCK
     for row_block in range(end_local // ROW_BLOCK + 1):
         local = row_block * ROW_BLOCK + ct.arange(ROW_BLOCK, dtype=ct.int32)
         rows = chunk * rows_per_chunk + row_block
-        x_rows = ct.load(x, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
-                         padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
-        B_rows = ct.load(B, (batch, rows, group, n_block), shape=(1, ROW_BLOCK, 1, N_BLOCK),
-                         padding_mode=ZERO).reshape((ROW_BLOCK, N_BLOCK))
+        if TRANSPOSED:
+            x_rows = ct.load(x, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
+                             padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
+            B_cols = load_transposed(B, batch, rows, group, n_block, ROW_BLOCK, N_BLOCK,
+                                     ORDERED_LOADS)
+        else:
+            x_cols = load_transposed(x, batch, rows, head, p_block, ROW_BLOCK, P_BLOCK,
+                                     ORDERED_LOADS)
+            B_rows = ct.load(B, (batch, rows, group, n_block), shape=(1, ROW_BLOCK, 1, N_BLOCK),
+                             padding_mode=ZERO).reshape((ROW_BLOCK, N_BLOCK))
         dt_rows = ct.load(dt, (batch, head, chunk, row_block),
                           shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
         hi_rows, lo_rows = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, row_block,
@@ -102,16 +121,16 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
             keep = keep & (seq_rows == seq_end)
         w = ct.where(keep, dt_rows * exp2_nonpos(log2_decay_between(hi_end, lo_end, hi_rows,
                                                                     lo_rows)), 0.0)
-        # The weights ride on one operand; the other stays as loaded. A 16-bit operand left alone
-        # is exact in TF32, so the split modes cut only the weighted one, in 3 terms (~2^-33 per
-        # product) instead of both in 2 (~2^-22). Between operands of one kind, weighting the
-        # smaller tile costs fewer elementwise ops and splits.
-        if is_16bit(x) == is_16bit(B) and P_BLOCK <= N_BLOCK or is_16bit(B) and not is_16bit(x):
-            acc = precise_mma((x_rows.astype(ct.float32) * w[:, None]).transpose(), B_rows, acc,
-                              MODE, x.dtype)
+        if TRANSPOSED and weight_x:
+            acc = precise_mma(B_cols, x_rows.astype(ct.float32) * w[:, None], acc, MODE, x.dtype)
+        elif TRANSPOSED:
+            acc = precise_mma(B_cols.astype(ct.float32) * w[None, :], x_rows, acc, MODE, x.dtype)
+        elif weight_x:
+            acc = precise_mma(x_cols.astype(ct.float32) * w[None, :], B_rows, acc, MODE, x.dtype)
         else:
-            acc = precise_mma(x_rows.transpose(), B_rows.astype(ct.float32) * w[:, None], acc,
-                              MODE, x.dtype)
+            acc = precise_mma(x_cols, B_rows.astype(ct.float32) * w[:, None], acc, MODE, x.dtype)
+    if TRANSPOSED:
+        acc = acc.transpose()
 
     if PER_SEQ_START:
         # seq(e) began at r = cu_seqlens[seq(e)] inside this chunk (when not carried) from its own
@@ -195,12 +214,15 @@ class ChunkStateConfig(KernelVariant):
     has_seq: bool = False
     per_seq_start: bool = False
     varlen: bool = False
+    transposed: bool = False
+    ordered_loads: bool = False
     wide: bool = False
     occupancy: int | None = None
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_block,
-                MODE[self.precision], self.has_seq, self.per_seq_start, self.varlen)
+                MODE[self.precision], self.has_seq, self.per_seq_start, self.varlen,
+                self.transposed, self.ordered_loads)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
@@ -216,8 +238,9 @@ class ChunkStateConfig(KernelVariant):
         return (f"chunk_state x={self.x_dtype} B={self.b_dtype} Q={self.chunk_size} "
                 f"RB={self.row_block} PB={self.p_block} NB={self.n_block} "
                 f"{self.precision} seq={self.has_seq} "
-                f"per_seq_start={self.per_seq_start} varlen={self.varlen} int64={self.wide} "
-                f"occupancy={self.occupancy}")
+                f"per_seq_start={self.per_seq_start} varlen={self.varlen} "
+                f"transposed={self.transposed} ordered_loads={self.ordered_loads} "
+                f"int64={self.wide} occupancy={self.occupancy}")
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     speed is not yet measured.
   In every 16-bit mode the chunk-state matmul (whose result, final_states, is float32) splits its
   float32 operand in three terms against the exact 16-bit one: float32-grade states at 3 MMAs of
-  a small matmul. The terms are bf16 under "2xbf16" and "3xbf16", TF32 otherwise
-  (``state_precision``).
+  a small matmul. The terms are bf16 for bf16 x in its bf16 modes ('input', '2xbf16', '3xbf16'),
+  TF32 otherwise (``state_precision``).
 State dtype (``state_dtype=``): chunk_states are stored in float32 by default, the better
 envelope at a small cost. bf16 halves their traffic (the largest after x and out) and saved 5-11%
 of the anchor shapes' time on the H200 (e.g. 3.41 -> 3.11 ms at (8, 4096, 64, 64, 128); measured
@@ -211,8 +211,10 @@ def resolve_precision(precision: Optional[str], x_dtype: torch.dtype) -> str:
 
 def state_precision(mode: str, x_dtype: torch.dtype) -> str:
     """The mode of the chunk-state matmul: float32-grade for 16-bit x (final_states are float32),
-    in bf16 terms when the output's mode is, the user's mode for float32 x."""
-    if mode in BF16_SPLITS:
+    in three bf16 terms for bf16 x in the bf16 modes (~2^-27 per product against the exact bf16
+    operand; the states stage at (8, 4096, 64 heads) took 0.84 ms so against 0.96-1.02 ms in
+    three TF32 terms, reports/h200/experiments/tune_322c7d5.json), the user's mode for float32 x."""
+    if mode in BF16_SPLITS or (mode == "input" and x_dtype == torch.bfloat16):
         return "3xbf16"
     return "3xtf32" if x_dtype != torch.float32 and mode in ("tf32", "input") else mode
 

@@ -121,6 +121,20 @@ def log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk, start, hi_to,
 
 
 @ct.function
+def load_transposed(array, i0, rows, i2, cols, ROWS: ct.Constant[int], COLS: ct.Constant[int],
+                    ORDERED: ct.Constant[bool]):
+    """The (1, ROWS, 1, COLS) tile of a 4-d array at tile index (i0, rows, i2, cols), as a
+    (COLS, ROWS) tile: read in transposed order by the load (ORDERED) or loaded and transposed."""
+    if ORDERED:
+        t = ct.load(array, (i0, cols, i2, rows), shape=(1, COLS, 1, ROWS), order=(0, 3, 2, 1),
+                    padding_mode=ct.PaddingMode.ZERO).reshape((COLS, ROWS))
+    else:
+        t = ct.load(array, (i0, rows, i2, cols), shape=(1, ROWS, 1, COLS),
+                    padding_mode=ct.PaddingMode.ZERO).reshape((ROWS, COLS)).transpose()
+    return t
+
+
+@ct.function
 def is_16bit(t):
     """Whether t is bf16 or fp16 (then exact in TF32)."""
     return t.dtype == ct.bfloat16 or t.dtype == ct.float16

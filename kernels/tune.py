@@ -42,10 +42,15 @@ TABLE_PATH = os.path.join(os.path.dirname(__file__), "tuned.json")
 SHAPES = ((8, 4096, 64, 64, 128, 1, "bfloat16"), (4, 8192, 32, 64, 128, 8, "bfloat16"),
           (1, 65536, 64, 64, 128, 1, "bfloat16"), (8, 4096, 64, 64, 128, 1, "float32"))
 SHAPE_DTYPES = ("bfloat16", "float16", "float32")
-OCCUPANCIES = (None, 1, 2, 4)
 CANDIDATES = {
-    "chunk_state": [dict(row_block=r, p_block=p, n_block=n, occupancy=o) for r, p, n, o in
-                    itertools.product((64, 128), (32, 64), (64, 128), OCCUPANCIES)],
+    # The three fastest chunk_state tiles at both anchors of reports/h200/tune.json (32 searched)
+    # and a wider P block (the transposed orientation's MMA columns), in both orientations and
+    # load orders.
+    "chunk_state": [dict(row_block=r, p_block=p, n_block=n, occupancy=o, transposed=t,
+                         ordered_loads=l)
+                    for (r, p, n, o), t, l in itertools.product(
+                        ((64, 32, 128, 2), (64, 32, 64, 2), (128, 32, 64, 2), (64, 64, 128, 2)),
+                        (False, True), (False, True))],
     "state_passing": [dict(p_block=p, n_block=n, occupancy=o) for (p, n), o in
                       itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
                                         (None, 4, 8, 16))],
@@ -59,7 +64,7 @@ CANDIDATES = {
 PROBED_CANDIDATES = 4
 FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
 # What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
-PRECISION_PROBES = {"chunk_state": ("tf32", "input", "3xbf16"),
+PRECISION_PROBES = {"chunk_state": ("3xtf32", "tf32", "input", "3xbf16"),
                     "compute_out": ("tf32", "input", "2xbf16", "3xbf16")}
 
 

@@ -116,6 +116,36 @@ def test_compute_out_tuner_knobs_compute_the_same_output(x_dtype, precision, kno
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("x_dtype, precision", [("bf16", None), ("bf16", "3xbf16"),
+                                                ("fp32", None)])
+@pytest.mark.parametrize("knobs", [dict(transposed=True), dict(ordered_loads=True),
+                                   dict(transposed=True, ordered_loads=True)],
+                         ids=lambda k: "+".join(k))
+def test_chunk_state_tuner_knobs_compute_the_same_states(x_dtype, precision, knobs):
+    """chunk_state's tuner knobs (``transposed``: the increment accumulated as B^T x;
+    ``ordered_loads``) change layouts, not the sums: chunk, final and varlen states agree with
+    the default kernel's to float32 roundings, with packed sequences and per-sequence initial
+    states, over chunks of several row blocks."""
+    from dataclasses import replace
+    from kernels.ssd import stage_pipeline
+    spec = ProblemSpec(batch=1, seqlen=600, nheads=8, headdim=64, dstate=64, ngroups=2,
+                       chunk_size=256, x_dtype=x_dtype, bc_dtype=x_dtype, initial_states=True,
+                       per_sequence_initial_states=True, cu_seqlens=(0, 70, 300, 301, 600))
+    problem = build_problem(spec, "cuda")
+    results = []
+    for changes in ({}, knobs):
+        pipeline = stage_pipeline(problem, precision=precision)
+        pipeline = replace(pipeline, plan=replace(pipeline.plan, chunk_state=replace(
+            pipeline.plan.chunk_state, row_block=64, **changes)))
+        dt, cumsum = pipeline.cumsum()
+        results.append([t.double() for t in pipeline.states(dt, cumsum)])
+    for name, a, b in zip(("chunk_states", "final_states", "varlen_states"), *results):
+        tol = relation_tolerance(torch.float32, float(a.abs().max()))
+        assert float((a - b).abs().max()) <= tol, name
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_nan_stays_in_its_row_head_channel_and_chunk():
     """A NaN in x reaches out of its (row, head, channel) from its chunk's start on, and nothing
     else. (Positions before it in its chunk are reached too: the intra-chunk matmul multiplies

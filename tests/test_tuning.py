@@ -39,7 +39,8 @@ def test_every_entry_fits_the_kernels_it_configures():
         for stage in tune.CANDIDATES:
             tiles = entry[stage]
             # Knobs the tuner gained after an entry was written hold their config default there.
-            defaults = dict(transposed=False, ordered_loads=False) if stage == "compute_out" else {}
+            defaults = (dict(transposed=False, ordered_loads=False)
+                        if stage in ("compute_out", "chunk_state") else {})
             assert {**defaults, **tiles} in tune.CANDIDATES[stage], f"{stage}: {tiles}"
             assert key["chunk_size"] % tiles.get("row_block", 1) == 0
             assert tiles.get("p_block", 0) <= key["headdim"] and tiles.get("n_block", 0) <= key["dstate"]
