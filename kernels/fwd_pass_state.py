@@ -21,6 +21,11 @@ The increment is the (headdim x dstate) matmul x^T (w B) on tensor cores (precis
 h <- carry_weight * h + increment, a few FLOPs per element, so the sequential part is a stream
 through memory, not a chain of matmuls, with batch x heads x tiles blocks in flight (the tiles
 shrink until there are a few per SM), each loading the next chunk's increment ahead of its update.
+``state_scan_kernel`` (``ChunkStateConfig.fused``; without per-sequence initial states or
+varlen states) does both in one walk per (row, head, tile): each chunk's increment is computed
+where the state passing would read it, so increments never reach memory, but the chunks of a row
+are no longer parallel. The tuner times it (``kernels.tune.KNOB_PROBES``); the dispatcher does
+not pick it yet.
 Measured on the H200 (bf16, chunk 256, tuned tiles, at (8, 4096, 64 heads); reports/h200/
 experiments/): the stage takes 0.93 ms in the tuner, 0.72 ms with a plain TF32 chunk-state
 matmul: ~0.2 ms is the price of float32-grade states. ncu (on branch perf/operand-fold's
@@ -44,45 +49,48 @@ from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos
 ZERO = ct.PaddingMode.ZERO
 
 
-def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seqlens,
-                       target_ends, increment, carry_weight,
-                       seqlen, nchunks, ntargets, nheads, heads_per_group, n_p_blocks, n_n_blocks,
-                       CHUNK: ct.Constant[int], ROW_BLOCK: ct.Constant[int],
-                       P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int],
-                       MODE: ct.Constant[int],
-                       HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
-                       VARLEN: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
-                       ORDERED_LOADS: ct.Constant[bool]):
-    # Heads vary fastest: blocks running together read the same chunk of B (one group).
-    pid = ct.bid(0)
+@ct.function
+def split_block_index(pid, nheads, n_p_blocks, n_n_blocks):
+    """(head, P block, N block, the rest) of a block index whose heads vary fastest (blocks
+    running together read the same rows of B: one group)."""
     head = pid % nheads
     rest = pid // nheads
     p_block = rest % n_p_blocks
     rest = rest // n_p_blocks
-    n_block = rest % n_n_blocks
-    rest = rest // n_n_blocks
-    target = rest % ntargets
-    batch = rest // ntargets
-    group = head // heads_per_group
+    return head, p_block, rest % n_n_blocks, rest // n_n_blocks
 
-    end = ct.minimum(target * CHUNK + CHUNK, seqlen) - 1
-    if VARLEN:
-        sequence_end = ct.load(target_ends, (ct.maximum(target - nchunks, 0),), shape=())
-        end = ct.where(target >= nchunks, sequence_end, end)
+
+@ct.function
+def carry_into(log2_decay_cumsum, seq_idx, batch, head, end, CHUNK: ct.Constant[int],
+               HAS_SEQ: ct.Constant[bool]):
+    """How the state moves from entering the chunk of position ``end`` to after it: (carry weight
+    2^(S_end), 0 when another sequence than end's entered the chunk; seq(end), 0 without seq_idx;
+    whether it was carried; (hi, lo) of S_end)."""
     chunk = end // CHUNK
     first = chunk * CHUNK
-    end_local = end - first
-    hi_end, lo_end = log2_cumsum_at(log2_decay_cumsum, batch, head, chunk, end_local)
+    hi_end, lo_end = log2_cumsum_at(log2_decay_cumsum, batch, head, chunk, end - first)
     carried = True
+    seq_end = 0
     if HAS_SEQ:
         seq_end = ct.load(seq_idx, (batch, end), shape=(1, 1)).reshape(())
         # Chunk 0's entering state belongs to the row's first sequence.
         seq_before = ct.load(seq_idx, (batch, ct.maximum(first - 1, 0)), shape=(1, 1)).reshape(())
         carried = seq_end == seq_before
     weight = ct.where(carried, exp2_nonpos(hi_end + lo_end), 0.0)
-    if p_block == 0 and n_block == 0:
-        ct.store(carry_weight, (batch, head, target), weight.reshape((1, 1, 1)))
+    return weight, seq_end, carried, hi_end, lo_end
 
+
+@ct.function
+def chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_block, n_block,
+                    end, seq_end, hi_end, lo_end, CHUNK: ct.Constant[int],
+                    ROW_BLOCK: ct.Constant[int], P_BLOCK: ct.Constant[int],
+                    N_BLOCK: ct.Constant[int], MODE: ct.Constant[int],
+                    HAS_SEQ: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
+                    ORDERED_LOADS: ct.Constant[bool]):
+    """(P_BLOCK, N_BLOCK) float32: sum over the positions t of end's chunk up to ``end`` (and in
+    seq_end's sequence) of (x_t dt_t 2^(S_end - S_t)) (outer) B_t."""
+    chunk = end // CHUNK
+    end_local = end - chunk * CHUNK
     # The increment is a contraction over the chunk's positions, the strided axis of both x and
     # B: one operand is transposed (read so by the load with ORDERED_LOADS, else after it).
     # TRANSPOSED accumulates its transpose (N_BLOCK x P_BLOCK) = B^T x instead: the tuner weighs
@@ -131,6 +139,36 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
             acc = precise_mma(x_cols, B_rows.astype(ct.float32) * w[:, None], acc, MODE, x.dtype)
     if TRANSPOSED:
         acc = acc.transpose()
+    return acc
+
+
+def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seqlens,
+                       target_ends, increment, carry_weight,
+                       seqlen, nchunks, ntargets, nheads, heads_per_group, n_p_blocks, n_n_blocks,
+                       CHUNK: ct.Constant[int], ROW_BLOCK: ct.Constant[int],
+                       P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int],
+                       MODE: ct.Constant[int],
+                       HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
+                       VARLEN: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
+                       ORDERED_LOADS: ct.Constant[bool]):
+    head, p_block, n_block, rest = split_block_index(ct.bid(0), nheads, n_p_blocks, n_n_blocks)
+    target = rest % ntargets
+    batch = rest // ntargets
+    group = head // heads_per_group
+
+    end = ct.minimum(target * CHUNK + CHUNK, seqlen) - 1
+    if VARLEN:
+        sequence_end = ct.load(target_ends, (ct.maximum(target - nchunks, 0),), shape=())
+        end = ct.where(target >= nchunks, sequence_end, end)
+    chunk = end // CHUNK
+    first = chunk * CHUNK
+    weight, seq_end, carried, hi_end, lo_end = carry_into(log2_decay_cumsum, seq_idx, batch, head,
+                                                          end, CHUNK, HAS_SEQ)
+    if p_block == 0 and n_block == 0:
+        ct.store(carry_weight, (batch, head, target), weight.reshape((1, 1, 1)))
+    acc = chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_block,
+                          n_block, end, seq_end, hi_end, lo_end, CHUNK, ROW_BLOCK, P_BLOCK,
+                          N_BLOCK, MODE, HAS_SEQ, TRANSPOSED, ORDERED_LOADS)
 
     if PER_SEQ_START:
         # seq(e) began at r = cu_seqlens[seq(e)] inside this chunk (when not carried) from its own
@@ -150,13 +188,7 @@ def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, 
                          final_states, varlen_states, nchunks, nheads, n_p_blocks, n_n_blocks,
                          P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int],
                          HAS_START: ct.Constant[bool], VARLEN: ct.Constant[bool]):
-    pid = ct.bid(0)
-    head = pid % nheads
-    rest = pid // nheads
-    p_block = rest % n_p_blocks
-    rest = rest // n_p_blocks
-    n_block = rest % n_n_blocks
-    batch = rest // n_n_blocks
+    head, p_block, n_block, batch = split_block_index(ct.bid(0), nheads, n_p_blocks, n_n_blocks)
     tile = (1, 1, 1, P_BLOCK, N_BLOCK)
     h = ct.zeros((P_BLOCK, N_BLOCK), dtype=ct.float32)
     if HAS_START:
@@ -189,9 +221,40 @@ def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, 
     ct.store(final_states, (batch, head, p_block, n_block), h.reshape((1, 1, P_BLOCK, N_BLOCK)))
 
 
+def state_scan_kernel(x, B, dt, log2_decay_cumsum, seq_idx, start_states, chunk_states,
+                      final_states, seqlen, nchunks, nheads, heads_per_group, n_p_blocks,
+                      n_n_blocks, CHUNK: ct.Constant[int], ROW_BLOCK: ct.Constant[int],
+                      P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int],
+                      MODE: ct.Constant[int], HAS_SEQ: ct.Constant[bool],
+                      HAS_START: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
+                      ORDERED_LOADS: ct.Constant[bool]):
+    """Both kernels in one: each block walks its (row, head, P x N tile) through the chunks,
+    h <- carry_weight * h + increment, computing each increment where state passing would read
+    it: the increments never reach memory, at the price of chunk-level parallelism."""
+    head, p_block, n_block, batch = split_block_index(ct.bid(0), nheads, n_p_blocks, n_n_blocks)
+    group = head // heads_per_group
+    h = ct.zeros((P_BLOCK, N_BLOCK), dtype=ct.float32)
+    if HAS_START:
+        h = ct.load(start_states, (batch, head, p_block, n_block), shape=(1, 1, P_BLOCK, N_BLOCK),
+                    padding_mode=ZERO).reshape((P_BLOCK, N_BLOCK)).astype(ct.float32)
+    for chunk in range(nchunks):
+        ct.store(chunk_states, (batch, chunk, head, p_block, n_block),
+                 h.reshape((1, 1, 1, P_BLOCK, N_BLOCK)).astype(chunk_states.dtype))
+        end = ct.minimum(chunk * CHUNK + CHUNK, seqlen) - 1
+        weight, seq_end, _, hi_end, lo_end = carry_into(log2_decay_cumsum, seq_idx, batch, head,
+                                                        end, CHUNK, HAS_SEQ)
+        h = weight * h + chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group,
+                                         p_block, n_block, end, seq_end, hi_end, lo_end, CHUNK,
+                                         ROW_BLOCK, P_BLOCK, N_BLOCK, MODE, HAS_SEQ, TRANSPOSED,
+                                         ORDERED_LOADS)
+    ct.store(final_states, (batch, head, p_block, n_block), h.reshape((1, 1, P_BLOCK, N_BLOCK)))
+
+
 # x, B, the increments and the stored states can pass 2^31 elements (e.g. batch 1, 139264
 # positions, 256 heads of 64): those arrays get 64-bit indexing in the wide variants.
 CHUNK_STATE_KERNELS = index_variants(chunk_state_kernel, ("x", "B", "increment", "start_states"))
+STATE_SCAN_KERNELS = index_variants(state_scan_kernel, ("x", "B", "start_states", "chunk_states",
+                                                        "final_states"))
 STATE_PASSING_KERNELS = index_variants(
     state_passing_kernel, ("increment", "start_states", "chunk_states", "final_states",
                            "varlen_states"))
@@ -216,6 +279,7 @@ class ChunkStateConfig(KernelVariant):
     varlen: bool = False
     transposed: bool = False
     ordered_loads: bool = False
+    fused: bool = False          # state_scan_kernel instead, with the state passing's dtypes
     wide: bool = False
     occupancy: int | None = None
 
@@ -240,7 +304,7 @@ class ChunkStateConfig(KernelVariant):
                 f"{self.precision} seq={self.has_seq} "
                 f"per_seq_start={self.per_seq_start} varlen={self.varlen} "
                 f"transposed={self.transposed} ordered_loads={self.ordered_loads} "
-                f"int64={self.wide} occupancy={self.occupancy}")
+                f"fused={self.fused} int64={self.wide} occupancy={self.occupancy}")
 
 
 @dataclass(frozen=True)
@@ -274,6 +338,55 @@ class StatePassingConfig(KernelVariant):
                 f"varlen={self.varlen} int64={self.wide} occupancy={self.occupancy}")
 
 
+@dataclass(frozen=True)
+class StateScanConfig(KernelVariant):
+    """state_scan_kernel: a chunk_state config with ``fused`` and its state passing's dtypes."""
+
+    VARIANTS = STATE_SCAN_KERNELS
+
+    chunk: ChunkStateConfig
+    start_dtype: torch.dtype = torch.float32
+    state_dtype: torch.dtype = torch.float32
+    has_start: bool = False
+
+    @classmethod
+    def for_stages(cls, chunk: ChunkStateConfig, passing: "StatePassingConfig") -> "StateScanConfig":
+        if chunk.per_seq_start or chunk.varlen:
+            raise ValueError(f"fused state scan: expected no per-sequence initial states and no "
+                             f"varlen states, got {chunk.describe()}")
+        return cls(chunk, passing.start_dtype, passing.state_dtype, passing.has_start)
+
+    @property
+    def wide(self) -> bool:
+        return self.chunk.wide
+
+    @property
+    def occupancy(self):
+        return self.chunk.occupancy
+
+    @property
+    def precision(self) -> str:
+        return self.chunk.precision
+
+    def constants(self) -> tuple:
+        c = self.chunk
+        return (c.chunk_size, c.row_block, c.p_block, c.n_block, MODE[c.precision], c.has_seq,
+                self.has_start, c.transposed, c.ordered_loads)
+
+    def signature(self):
+        f32, i32, w, c = torch.float32, torch.int32, self.wide, self.chunk
+        return kernel_signature([
+            array_constraint(c.x_dtype, 4, w), array_constraint(c.b_dtype, 4, w),
+            array_constraint(f32, 4), array_constraint(f32, 5),
+            array_constraint(c.seq_dtype, 2), array_constraint(self.start_dtype, 4, w),
+            array_constraint(self.state_dtype, 5, w), array_constraint(f32, 4, w),
+            *(scalar_constraint(i32) for _ in range(6)), *self.constants()])
+
+    def describe(self) -> str:
+        return (f"state_scan {self.chunk.describe()[len('chunk_state '):]} "
+                f"start={self.has_start}:{self.start_dtype} states={self.state_dtype}")
+
+
 @dataclass
 class StateInputs:
     """What stage 2 reads, already on the GPU. A (H,) fp32; seq_idx (b, L) int or None; start_states: the
@@ -292,8 +405,32 @@ class StateInputs:
     varlen: bool = False
 
 
+def state_scan(inp: StateInputs, cfg: StateScanConfig):
+    """(chunk_states, final_states, None) from state_scan_kernel (no per-sequence starts, no
+    varlen states); layouts in the module docstring."""
+    b, L, H, P = inp.x.shape
+    N = inp.B.shape[3]
+    nchunks = -(-L // cfg.chunk.chunk_size)
+    chunk_states = torch.empty(b, nchunks, H, P, N, device=inp.x.device, dtype=cfg.state_dtype)
+    final_states = torch.empty(b, H, P, N, device=inp.x.device, dtype=torch.float32)
+    seq_idx = inp.seq_idx
+    if seq_idx is None:
+        seq_idx = torch.zeros(1, 1, device=inp.x.device, dtype=torch.int32)
+    start = inp.start_states
+    if start is None:
+        start = final_states.view(-1)[:1].view(1, 1, 1, 1)     # stands in, unread
+    npb, nnb = -(-P // cfg.chunk.p_block), -(-N // cfg.chunk.n_block)
+    ct.launch(torch.cuda.current_stream(), (b * H * npb * nnb,), cfg.kernel,
+              (inp.x, inp.B, inp.dt, inp.log2_decay_cumsum, seq_idx, start, chunk_states,
+               final_states, L, nchunks, H, H // inp.B.shape[2], npb, nnb, *cfg.constants()))
+    return chunk_states, final_states, None
+
+
 def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: StatePassingConfig):
-    """(chunk_states, final_states, varlen_states or None); layouts in the module docstring."""
+    """(chunk_states, final_states, varlen_states or None); layouts in the module docstring.
+    With ``chunk_cfg.fused``: one launch of state_scan_kernel."""
+    if chunk_cfg.fused:
+        return state_scan(inp, StateScanConfig.for_stages(chunk_cfg, pass_cfg))
     b, L, H, P = inp.x.shape
     N = inp.B.shape[3]
     Q = chunk_cfg.chunk_size

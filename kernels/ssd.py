@@ -82,7 +82,7 @@ from kernels.compute_out import ComputeOutConfig, OutInputs, compute_out
 from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
 from kernels.device import require_gpu
 from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
-                                    fwd_pass_state)
+                                    StateScanConfig, fwd_pass_state)
 from kernels.tile_ops import INT32_LIMIT, PRECISIONS, needs_int64, next_pow2
 from oracles.common import SSDResult
 
@@ -182,8 +182,12 @@ class Plan:
     def named_configs(self) -> tuple[tuple[str, object], ...]:
         """(kernel name, config) in launch order; the scores kernel only when compute_out shares
         its scores (kernels/chunk_scores.py)."""
-        named = [("chunk_cumsum", self.cumsum), ("chunk_state", self.chunk_state),
-                 ("state_passing", self.state_passing)]
+        named = [("chunk_cumsum", self.cumsum)]
+        if self.chunk_state.fused:
+            named.append(("state_scan", StateScanConfig.for_stages(self.chunk_state,
+                                                                   self.state_passing)))
+        else:
+            named += [("chunk_state", self.chunk_state), ("state_passing", self.state_passing)]
         if self.out.shared_scores:
             named.append(("chunk_scores", ChunkScoresConfig.for_out(self.out)))
         return (*named, ("compute_out", self.out))

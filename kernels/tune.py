@@ -62,6 +62,10 @@ CANDIDATES = {
                         (False, True), (False, True))],
 }
 PROBED_CANDIDATES = 4
+# Variants a stage is timed in at its PROBED_CANDIDATES fastest candidates (recorded, not chosen):
+# the dispatcher decides them from more than a table key (the fused state scan: from how many
+# blocks its sequential walk has in flight).
+KNOB_PROBES = {"chunk_state": (dict(fused=True),)}
 FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
 # What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
 PRECISION_PROBES = {"chunk_state": ("3xtf32", "tf32", "input", "3xbf16"),
@@ -190,13 +194,16 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
                     or (precision in ssd.BF16_SPLITS and shape[-1] != "bfloat16")):
                 continue
             tasks += [(shape, stage, _tiles(stage, row), precision) for row in timed]
+        for knobs in KNOB_PROBES.get(stage, ()):
+            tasks += [(shape, stage, {**_tiles(stage, row), **knobs}, None) for row in timed]
         probes = []
         for (_, _, cand, precision), error in zip(tasks, pool.map(_compile_task, tasks)):
             pipeline = _pipeline(inputs, with_candidate(plan, stage, cand, precision))
             ms = None if error else time_ms(_stage_call(pipeline, stage, dt, cumsum, states),
                                             reps=7)
-            probes.append(dict(cand, precision=precision, ms=ms, error=error))
-            print(f"{shape} {stage} probe {precision} {cand}: {ms or error}", flush=True)
+            probes.append(dict(cand, precision=precision or searched, ms=ms, error=error))
+            print(f"{shape} {stage} probe {precision or searched} {cand}: {ms or error}",
+                  flush=True)
         record.setdefault("precision_probes", {})[stage] = probes
     record["default_ms"] = time_ms(_stage_call(base, "compute_out", dt, cumsum, states), reps=7) \
         + time_ms(_stage_call(base, "states", dt, cumsum, states), reps=7)

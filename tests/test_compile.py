@@ -94,28 +94,46 @@ LAUNCH_SPECS = (
 )
 
 
+def _grid(name: str, cfg, problem) -> tuple:
+    """The launch grid that covers every output tile of kernel ``name`` once."""
+    b, L, H, P, N = problem.batch, problem.seqlen, problem.nheads, problem.headdim, problem.dstate
+    nchunks = math.ceil(L / problem.chunk_size)
+    nseq = 0 if problem.cu_seqlens is None else problem.nseq
+    if name == "chunk_cumsum":
+        return (nchunks, b * math.ceil(H / cfg.head_block))
+    if name == "chunk_scores":
+        return (b * nchunks * (cfg.chunk_size // cfg.row_block) * problem.ngroups,)
+    if name == "compute_out":
+        return (b * nchunks * (cfg.chunk_size // cfg.row_block) * H * math.ceil(P / cfg.p_block),)
+    tiles = cfg.chunk if name == "state_scan" else cfg
+    per_row = H * math.ceil(P / tiles.p_block) * math.ceil(N / tiles.n_block)
+    return ((nchunks + nseq) * b * per_row,) if name == "chunk_state" else (b * per_row,)
+
+
 @pytest.mark.parametrize("spec", LAUNCH_SPECS, ids=lambda s: s.describe())
 @pytest.mark.parametrize("precision", [None, "ieee", "tf32"])
-@pytest.mark.parametrize("shared_scores", [False, True])
-def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared_scores):
+@pytest.mark.parametrize("knobs", ["plain", "shared_scores", "fused_states"])
+def test_launches_match_compiled_signatures(monkeypatch, spec, precision, knobs):
     """The host code (run on CPU tensors with ct.launch intercepted) passes every kernel the
     dtypes, ranks, scalars and constants of the signature the dispatcher's config describes,
-    over a grid that covers every output tile exactly once (with compute_out's scores computed
-    inside it or shared from kernels/chunk_scores.py)."""
+    over a grid that covers every output tile exactly once (also with compute_out's scores shared
+    from kernels/chunk_scores.py, and with the state stage fused where it can be)."""
     launches = []
     make_plan = ssd.make_plan
 
-    def plan_with_knob(*args, **kwargs):
-        plan = make_plan(*args, **kwargs)
-        return replace(plan, out=replace(plan.out, shared_scores=shared_scores,
-                                         ordered_loads=shared_scores))
+    def plan_with_knobs(key, *args, **kwargs):
+        plan = make_plan(key, *args, **kwargs)
+        fused = knobs == "fused_states" and not (key.varlen or key.per_seq_start)
+        return replace(plan, out=replace(plan.out, shared_scores=knobs == "shared_scores",
+                                         ordered_loads=knobs == "shared_scores"),
+                       chunk_state=replace(plan.chunk_state, fused=fused))
 
     def fake_launch(stream, grid, kernel, args):
         launches.append((grid, kernel, args))
 
     for module in (chunk_cumsum, fwd_pass_state, chunk_scores, compute_out):
         monkeypatch.setattr(module.ct, "launch", fake_launch)
-    monkeypatch.setattr(ssd, "make_plan", plan_with_knob)
+    monkeypatch.setattr(ssd, "make_plan", plan_with_knobs)
     monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
     problem = build_problem(spec)
@@ -123,27 +141,15 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared
                                       wide=False)
     plan = ssd.make_plan(key, ssd.DEFAULT_STATE_DTYPE, precision)
     ssd.run_stages(problem, precision=precision)
-    assert len(launches) == 4 + shared_scores
-    for (grid, kernel, args), cfg in zip(launches, plan.configs()):
+    named = plan.named_configs()
+    assert len(launches) == len(named)
+    for (grid, kernel, args), (name, cfg) in zip(launches, named):
         assert kernel is cfg.kernel, cfg.describe()
         params = cfg.signature().parameters
         assert len(args) == len(params), cfg.describe()
         for i, (constraint, arg) in enumerate(zip(params, args)):
             assert _constraint_matches(constraint, arg), f"{cfg.describe()}: argument {i}: {arg!r}"
-    b, L, H, P, N = problem.batch, problem.seqlen, problem.nheads, problem.headdim, problem.dstate
-    nchunks = math.ceil(L / problem.chunk_size)
-    nseq = 0 if problem.cu_seqlens is None else problem.nseq
-    grids = [g for g, _, _ in launches]
-    if shared_scores:
-        rows_per_chunk = plan.out.chunk_size // plan.out.row_block
-        assert grids.pop(3) == (b * nchunks * rows_per_chunk * problem.ngroups,)
-    cs, st, sp, out = (cfg for name, cfg in plan.named_configs() if name != "chunk_scores")
-    assert grids[0] == (nchunks, b * math.ceil(H / cs.head_block))
-    assert grids[1] == ((nchunks + nseq) * b * H * math.ceil(P / st.p_block)
-                        * math.ceil(N / st.n_block),)
-    assert grids[2] == (b * H * math.ceil(P / sp.p_block) * math.ceil(N / sp.n_block),)
-    assert grids[3] == (b * nchunks * (out.chunk_size // out.row_block) * H
-                        * math.ceil(P / out.p_block),)
+        assert grid == _grid(name, cfg, problem), name
 
 
 def test_anchor_shapes_pick_compiled_variants():
