@@ -21,18 +21,16 @@ The increment is the (headdim x dstate) matmul x^T (w B) on tensor cores (precis
 h <- carry_weight * h + increment, a few FLOPs per element, so the sequential part is a stream
 through memory, not a chain of matmuls, with batch x heads x tiles blocks in flight (the tiles
 shrink until there are a few per SM), each loading the next chunk's increment ahead of its update.
-``state_scan_kernel`` (``ChunkStateConfig.fused``; without per-sequence initial states or
-varlen states) does both in one walk per (row, head, tile): each chunk's increment is computed
-where the state passing would read it, so increments never reach memory, but the chunks of a row
-are no longer parallel. The tuner times it (``kernels.tune.KNOB_PROBES``); the dispatcher does
-not pick it yet.
-Measured on the H200 (bf16, chunk 256, tuned tiles, at (8, 4096, 64 heads); reports/h200/
-experiments/): the stage takes 0.93 ms in the tuner, 0.72 ms with a plain TF32 chunk-state
-matmul: ~0.2 ms is the price of float32-grade states. ncu (on branch perf/operand-fold's
-chunk_state, which weights x instead of B and times the same): chunk_state_kernel 0.74 ms, its
-tensor pipe the busiest (43%; three TF32 MMAs per product), issue slots 52%, occupancy 17%
-(register bound); state_passing_kernel 0.13 ms at 3.96 TB/s (82% of DRAM peak), so the
-increments' round trip through memory costs little.
+Measured on the H200 (bf16 x, chunk 256, the tuner timing both kernels together at (8, 4096,
+64 heads); reports/h200/experiments/tune_21181f8_*.json): 0.54 ms with the chunk-state matmul in
+three bf16 terms at its best tiles; at the same tiles 0.87 ms in three TF32 terms, and 0.43 ms
+in one bf16 MMA, which rounds the weighted operand to bf16 (states no longer float32-grade).
+A fused kernel that walked each (row, head, tile) through the chunks, computing every increment
+where the walk needs it (none stored), lost at all three anchor shapes: 0.70 vs 0.54, 0.42 vs
+0.32 and 2.29 vs 1.22 ms at the best tiles of each (21181f8, since removed): the chunks of a row
+lose their parallelism to save a round trip that costs little. ncu (4f66ebf, reports/h200/
+experiments/ncu_anchor1_4f66ebf.txt): state_passing_kernel 0.13 ms at 3.96 TB/s (82% of DRAM
+peak).
 """
 from __future__ import annotations
 
@@ -221,40 +219,9 @@ def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, 
     ct.store(final_states, (batch, head, p_block, n_block), h.reshape((1, 1, P_BLOCK, N_BLOCK)))
 
 
-def state_scan_kernel(x, B, dt, log2_decay_cumsum, seq_idx, start_states, chunk_states,
-                      final_states, seqlen, nchunks, nheads, heads_per_group, n_p_blocks,
-                      n_n_blocks, CHUNK: ct.Constant[int], ROW_BLOCK: ct.Constant[int],
-                      P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int],
-                      MODE: ct.Constant[int], HAS_SEQ: ct.Constant[bool],
-                      HAS_START: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
-                      ORDERED_LOADS: ct.Constant[bool]):
-    """Both kernels in one: each block walks its (row, head, P x N tile) through the chunks,
-    h <- carry_weight * h + increment, computing each increment where state passing would read
-    it: the increments never reach memory, at the price of chunk-level parallelism."""
-    head, p_block, n_block, batch = split_block_index(ct.bid(0), nheads, n_p_blocks, n_n_blocks)
-    group = head // heads_per_group
-    h = ct.zeros((P_BLOCK, N_BLOCK), dtype=ct.float32)
-    if HAS_START:
-        h = ct.load(start_states, (batch, head, p_block, n_block), shape=(1, 1, P_BLOCK, N_BLOCK),
-                    padding_mode=ZERO).reshape((P_BLOCK, N_BLOCK)).astype(ct.float32)
-    for chunk in range(nchunks):
-        ct.store(chunk_states, (batch, chunk, head, p_block, n_block),
-                 h.reshape((1, 1, 1, P_BLOCK, N_BLOCK)).astype(chunk_states.dtype))
-        end = ct.minimum(chunk * CHUNK + CHUNK, seqlen) - 1
-        weight, seq_end, _, hi_end, lo_end = carry_into(log2_decay_cumsum, seq_idx, batch, head,
-                                                        end, CHUNK, HAS_SEQ)
-        h = weight * h + chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group,
-                                         p_block, n_block, end, seq_end, hi_end, lo_end, CHUNK,
-                                         ROW_BLOCK, P_BLOCK, N_BLOCK, MODE, HAS_SEQ, TRANSPOSED,
-                                         ORDERED_LOADS)
-    ct.store(final_states, (batch, head, p_block, n_block), h.reshape((1, 1, P_BLOCK, N_BLOCK)))
-
-
 # x, B, the increments and the stored states can pass 2^31 elements (e.g. batch 1, 139264
 # positions, 256 heads of 64): those arrays get 64-bit indexing in the wide variants.
 CHUNK_STATE_KERNELS = index_variants(chunk_state_kernel, ("x", "B", "increment", "start_states"))
-STATE_SCAN_KERNELS = index_variants(state_scan_kernel, ("x", "B", "start_states", "chunk_states",
-                                                        "final_states"))
 STATE_PASSING_KERNELS = index_variants(
     state_passing_kernel, ("increment", "start_states", "chunk_states", "final_states",
                            "varlen_states"))
@@ -279,7 +246,6 @@ class ChunkStateConfig(KernelVariant):
     varlen: bool = False
     transposed: bool = False
     ordered_loads: bool = False
-    fused: bool = False          # state_scan_kernel instead, with the state passing's dtypes
     wide: bool = False
     occupancy: int | None = None
 
@@ -304,7 +270,7 @@ class ChunkStateConfig(KernelVariant):
                 f"{self.precision} seq={self.has_seq} "
                 f"per_seq_start={self.per_seq_start} varlen={self.varlen} "
                 f"transposed={self.transposed} ordered_loads={self.ordered_loads} "
-                f"fused={self.fused} int64={self.wide} occupancy={self.occupancy}")
+                f"int64={self.wide} occupancy={self.occupancy}")
 
 
 @dataclass(frozen=True)
@@ -338,55 +304,6 @@ class StatePassingConfig(KernelVariant):
                 f"varlen={self.varlen} int64={self.wide} occupancy={self.occupancy}")
 
 
-@dataclass(frozen=True)
-class StateScanConfig(KernelVariant):
-    """state_scan_kernel: a chunk_state config with ``fused`` and its state passing's dtypes."""
-
-    VARIANTS = STATE_SCAN_KERNELS
-
-    chunk: ChunkStateConfig
-    start_dtype: torch.dtype = torch.float32
-    state_dtype: torch.dtype = torch.float32
-    has_start: bool = False
-
-    @classmethod
-    def for_stages(cls, chunk: ChunkStateConfig, passing: "StatePassingConfig") -> "StateScanConfig":
-        if chunk.per_seq_start or chunk.varlen:
-            raise ValueError(f"fused state scan: expected no per-sequence initial states and no "
-                             f"varlen states, got {chunk.describe()}")
-        return cls(chunk, passing.start_dtype, passing.state_dtype, passing.has_start)
-
-    @property
-    def wide(self) -> bool:
-        return self.chunk.wide
-
-    @property
-    def occupancy(self):
-        return self.chunk.occupancy
-
-    @property
-    def precision(self) -> str:
-        return self.chunk.precision
-
-    def constants(self) -> tuple:
-        c = self.chunk
-        return (c.chunk_size, c.row_block, c.p_block, c.n_block, MODE[c.precision], c.has_seq,
-                self.has_start, c.transposed, c.ordered_loads)
-
-    def signature(self):
-        f32, i32, w, c = torch.float32, torch.int32, self.wide, self.chunk
-        return kernel_signature([
-            array_constraint(c.x_dtype, 4, w), array_constraint(c.b_dtype, 4, w),
-            array_constraint(f32, 4), array_constraint(f32, 5),
-            array_constraint(c.seq_dtype, 2), array_constraint(self.start_dtype, 4, w),
-            array_constraint(self.state_dtype, 5, w), array_constraint(f32, 4, w),
-            *(scalar_constraint(i32) for _ in range(6)), *self.constants()])
-
-    def describe(self) -> str:
-        return (f"state_scan {self.chunk.describe()[len('chunk_state '):]} "
-                f"start={self.has_start}:{self.start_dtype} states={self.state_dtype}")
-
-
 @dataclass
 class StateInputs:
     """What stage 2 reads, already on the GPU. A (H,) fp32; seq_idx (b, L) int or None; start_states: the
@@ -405,32 +322,8 @@ class StateInputs:
     varlen: bool = False
 
 
-def state_scan(inp: StateInputs, cfg: StateScanConfig):
-    """(chunk_states, final_states, None) from state_scan_kernel (no per-sequence starts, no
-    varlen states); layouts in the module docstring."""
-    b, L, H, P = inp.x.shape
-    N = inp.B.shape[3]
-    nchunks = -(-L // cfg.chunk.chunk_size)
-    chunk_states = torch.empty(b, nchunks, H, P, N, device=inp.x.device, dtype=cfg.state_dtype)
-    final_states = torch.empty(b, H, P, N, device=inp.x.device, dtype=torch.float32)
-    seq_idx = inp.seq_idx
-    if seq_idx is None:
-        seq_idx = torch.zeros(1, 1, device=inp.x.device, dtype=torch.int32)
-    start = inp.start_states
-    if start is None:
-        start = final_states.view(-1)[:1].view(1, 1, 1, 1)     # stands in, unread
-    npb, nnb = -(-P // cfg.chunk.p_block), -(-N // cfg.chunk.n_block)
-    ct.launch(torch.cuda.current_stream(), (b * H * npb * nnb,), cfg.kernel,
-              (inp.x, inp.B, inp.dt, inp.log2_decay_cumsum, seq_idx, start, chunk_states,
-               final_states, L, nchunks, H, H // inp.B.shape[2], npb, nnb, *cfg.constants()))
-    return chunk_states, final_states, None
-
-
 def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: StatePassingConfig):
-    """(chunk_states, final_states, varlen_states or None); layouts in the module docstring.
-    With ``chunk_cfg.fused``: one launch of state_scan_kernel."""
-    if chunk_cfg.fused:
-        return state_scan(inp, StateScanConfig.for_stages(chunk_cfg, pass_cfg))
+    """(chunk_states, final_states, varlen_states or None); layouts in the module docstring."""
     b, L, H, P = inp.x.shape
     N = inp.B.shape[3]
     Q = chunk_cfg.chunk_size

@@ -52,12 +52,14 @@ outputs' by ~20% (2.05e-3 vs ~1.7e-3), and float32 outputs would lose float32 gr
 
 Tiles and occupancy hints: from kernels/tuned.json where a call matches one of its keys (padded
 headdim and dstate, chunk size, x dtype, precision mode, shared scores), else the heuristics in
-``make_plan``. The table is written by ``python3 -m kernels.tune`` from H200 measurements: the
-state stages' tiles from reports/h200/tune.json (bf16, headdim 64, dstate 128, chunk 256: the two
-stages from 3.98 to 2.42 ms at (8, 4096, 64 heads); occupancy 2 for the matmul kernels was the
-largest single gain), compute_out's from reports/h200/experiments/tune_322c7d5.json, which
-searched its layout knobs in TF32 and probed every bf16 mode at the four fastest (each probed
-mode has its own entries). Other keys are untuned. A user tunes their own
+``make_plan``. The table is written by ``python3 -m kernels.tune`` from H200 measurements (bf16,
+headdim 64, dstate 128, chunk 256): the state passing's tiles from reports/h200/tune.json
+(occupancy 2 for the matmul kernels was its largest single gain), compute_out's from
+reports/h200/experiments/tune_322c7d5.json, which searched its layout knobs in TF32 and probed
+every bf16 mode at the four fastest (each probed mode has its own entries), chunk_state's from
+reports/h200/experiments/tune_21181f8_gpu{0,1}.json (its layout knobs, with the 3-term bf16
+split; ``--table-from`` merges the runs, each stage from the latest run that searched it).
+Other keys are untuned. A user tunes their own
 shapes with ``python3 -m kernels.tune --shape B,L,H,P,N,G[,dtype] --out DIR --cache``: the winners
 go to a per-user cache (``tuning_cache_path()``, kept per GPU model), which takes precedence over
 the table on that GPU model. Nothing is searched at call time.
@@ -82,7 +84,7 @@ from kernels.compute_out import ComputeOutConfig, OutInputs, compute_out
 from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
 from kernels.device import require_gpu
 from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
-                                    StateScanConfig, fwd_pass_state)
+                                    fwd_pass_state)
 from kernels.tile_ops import INT32_LIMIT, PRECISIONS, needs_int64, next_pow2
 from oracles.common import SSDResult
 
@@ -182,12 +184,8 @@ class Plan:
     def named_configs(self) -> tuple[tuple[str, object], ...]:
         """(kernel name, config) in launch order; the scores kernel only when compute_out shares
         its scores (kernels/chunk_scores.py)."""
-        named = [("chunk_cumsum", self.cumsum)]
-        if self.chunk_state.fused:
-            named.append(("state_scan", StateScanConfig.for_stages(self.chunk_state,
-                                                                   self.state_passing)))
-        else:
-            named += [("chunk_state", self.chunk_state), ("state_passing", self.state_passing)]
+        named = [("chunk_cumsum", self.cumsum), ("chunk_state", self.chunk_state),
+                 ("state_passing", self.state_passing)]
         if self.out.shared_scores:
             named.append(("chunk_scores", ChunkScoresConfig.for_out(self.out)))
         return (*named, ("compute_out", self.out))
@@ -216,8 +214,9 @@ def resolve_precision(precision: Optional[str], x_dtype: torch.dtype) -> str:
 def state_precision(mode: str, x_dtype: torch.dtype) -> str:
     """The mode of the chunk-state matmul: float32-grade for 16-bit x (final_states are float32),
     in three bf16 terms for bf16 x in the bf16 modes (~2^-27 per product against the exact bf16
-    operand; the states stage at (8, 4096, 64 heads) took 0.84 ms so against 0.96-1.02 ms in
-    three TF32 terms, reports/h200/experiments/tune_322c7d5.json), the user's mode for float32 x."""
+    operand; at (8, 4096, 64 heads) the states stage took 0.54 ms so against 0.87 ms in three
+    TF32 terms at the same tiles, reports/h200/experiments/tune_21181f8_gpu0.json, and the H200
+    envelope's bf16 states errors stayed the same or fell), the user's mode for float32 x."""
     if mode in BF16_SPLITS or (mode == "input" and x_dtype == torch.bfloat16):
         return "3xbf16"
     return "3xtf32" if x_dtype != torch.float32 and mode in ("tf32", "input") else mode

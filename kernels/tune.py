@@ -62,10 +62,6 @@ CANDIDATES = {
                         (False, True), (False, True))],
 }
 PROBED_CANDIDATES = 4
-# Variants a stage is timed in at its PROBED_CANDIDATES fastest candidates (recorded, not chosen):
-# the dispatcher decides them from more than a table key (the fused state scan: from how many
-# blocks its sequential walk has in flight).
-KNOB_PROBES = {"chunk_state": (dict(fused=True),)}
 FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
 # What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
 PRECISION_PROBES = {"chunk_state": ("3xtf32", "tf32", "input", "3xbf16"),
@@ -194,16 +190,13 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
                     or (precision in ssd.BF16_SPLITS and shape[-1] != "bfloat16")):
                 continue
             tasks += [(shape, stage, _tiles(stage, row), precision) for row in timed]
-        for knobs in KNOB_PROBES.get(stage, ()):
-            tasks += [(shape, stage, {**_tiles(stage, row), **knobs}, None) for row in timed]
         probes = []
         for (_, _, cand, precision), error in zip(tasks, pool.map(_compile_task, tasks)):
             pipeline = _pipeline(inputs, with_candidate(plan, stage, cand, precision))
             ms = None if error else time_ms(_stage_call(pipeline, stage, dt, cumsum, states),
                                             reps=7)
-            probes.append(dict(cand, precision=precision or searched, ms=ms, error=error))
-            print(f"{shape} {stage} probe {precision or searched} {cand}: {ms or error}",
-                  flush=True)
+            probes.append(dict(cand, precision=precision, ms=ms, error=error))
+            print(f"{shape} {stage} probe {precision} {cand}: {ms or error}", flush=True)
         record.setdefault("precision_probes", {})[stage] = probes
     record["default_ms"] = time_ms(_stage_call(base, "compute_out", dt, cumsum, states), reps=7) \
         + time_ms(_stage_call(base, "states", dt, cumsum, states), reps=7)
@@ -243,9 +236,11 @@ def table(records: list[dict], provenance: dict, command: str) -> dict:
     """The winners per dispatcher key: the first shape of a key decides (the others measured at
     that key are listed with their own winners' times, for the reader to compare). Each probed
     compute_out mode gets an entry too, from its fastest probe (the other stages' tiles are the
-    searched mode's)."""
-    entries = {}
+    searched mode's). Records of several runs (``merged_table``) carry their run's index: a later
+    run's winners replace an earlier one's for the stages it searched."""
+    entries, decided_by = {}, {}
     for r in records:
+        run = r.get("run", 0)
         searched = r["key"]["precision"]
         key = record_key(r, searched)
         best = {s: _fastest(r.get("stages", {}).get(s, []), key["shared_scores"]) or r["best"][s]
@@ -260,12 +255,29 @@ def table(records: list[dict], provenance: dict, command: str) -> dict:
                                dict(probed=True, compute_out_ms=round(probe["ms"], 4)))
         for mode, (winners, times) in found.items():
             key = record_key(r, mode)
-            entry = entries.setdefault(json.dumps(key, sort_keys=True), dict(
-                key=key, **{s: _tiles(s, winners[s]) for s in CANDIDATES}, measured=[]))
+            name = json.dumps(key, sort_keys=True)
+            entry = entries.setdefault(name, dict(key=key, measured=[]))
+            for s in CANDIDATES:
+                if s not in entry or (r.get("stages", {}).get(s) and decided_by[name, s] < run):
+                    entry[s], decided_by[name, s] = _tiles(s, winners[s]), run
             entry["measured"].append(dict(shape=r["shape"], **times,
                                           own_winners={s: winners[s] for s in CANDIDATES}))
+    ordered = [dict(key=e["key"], **{s: e[s] for s in CANDIDATES}, measured=e["measured"])
+               for e in entries.values()]
     return dict(produced_by=command, tuned_by=provenance.get("command"), provenance=provenance,
-                entries=list(entries.values()))
+                entries=ordered)
+
+
+def merged_table(runs: list[dict], command: str) -> dict:
+    """One table from saved tune.json runs, in order: each stage of a key from the latest run
+    that searched it (a run's unsearched stages are the dispatcher's choice, i.e. the table's
+    earlier winners). Provenance is the last run's; ``sources`` lists every run's."""
+    records = [dict(r, run=i) for i, run in enumerate(runs) for r in run["records"]]
+    document = table(records, runs[-1]["provenance"], command)
+    if len(runs) > 1:
+        document["sources"] = [dict(tuned_by=run["provenance"].get("command"),
+                                    provenance=run["provenance"]) for run in runs]
+    return document
 
 
 def main(argv=None) -> int:
@@ -287,15 +299,19 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", default=",".join(CANDIDATES),
                         help="stages to search (default: all; '' for none: a timing of the "
                              "dispatcher's choice); the others keep the dispatcher's choice")
-    parser.add_argument("--table-from", metavar="TUNE_JSON",
+    parser.add_argument("--table-from", metavar="TUNE_JSON", action="append", default=[],
                         help="no tuning: write the table from the shapes a saved tune.json "
-                             "completed (its provenance is kept)")
+                             "completed (its provenance is kept); repeatable, oldest first: a "
+                             "later run's winners replace an earlier one's for the stages it "
+                             "searched")
     args = parser.parse_args(argv)
     command = "python3 -m kernels.tune " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.table_from:
-        with open(args.table_from) as f:
-            saved = json.load(f)
-        write_table(table(saved["records"], saved["provenance"], command))
+        runs = []
+        for path in args.table_from:
+            with open(path) as f:
+                runs.append(json.load(f))
+        write_table(merged_table(runs, command))
         return 0
     if not args.out:
         parser.error("--out: expected a folder (or --table-from), got none")

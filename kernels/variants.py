@@ -38,7 +38,7 @@ REMARK_TARGET = "sm_90"
 # cuTile's compile flags for a kernel with default options (cuda/tile/_compile.py: compile_cubin).
 TILEIRAS_FLAGS = ("-O3", "--lineinfo")
 TENSOR_CORE_PRECISIONS = ("3xtf32", "tf32", "input", "2xbf16", "3xbf16")
-MMA_KERNELS = ("chunk_state", "state_scan", "chunk_scores", "compute_out")
+MMA_KERNELS = ("chunk_state", "chunk_scores", "compute_out")
 
 f32, bf16, f16, i32, i64 = torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
 
@@ -99,12 +99,6 @@ COVERING_KEYS = (
      {"out": {"shared_scores": True, "transposed": True}}),
     ("anchor-b8-L4096-h64-states-transposed-ordered", _anchor(8, 4096, 64, 1), f32, None,
      {"chunk_state": {"transposed": True, "ordered_loads": True}}),
-    ("anchor-b8-L4096-h64-layer-fused-states", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,
-                                                       softplus=True, start_dtype=f32), f32,
-     None, {"chunk_state": {"fused": True}}),
-    ("fp32-q64-ieee-packed-fused-states", _small(f32, f32, 64, 4, 32, 16, 1, seq_dtype=i32,
-                                                  start_dtype=bf16), bf16, "ieee",
-     {"chunk_state": {"fused": True, "transposed": True}}),
     ("fp32-q128-ieee-varlen-states-transposed", _small(f32, f32, 128, 8, 64, 32, 2,
                                                        start_dtype=f32, seq_dtype=i32,
                                                        cu_dtype=i32, nseq=3, per_seq_start=True,

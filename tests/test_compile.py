@@ -105,35 +105,32 @@ def _grid(name: str, cfg, problem) -> tuple:
         return (b * nchunks * (cfg.chunk_size // cfg.row_block) * problem.ngroups,)
     if name == "compute_out":
         return (b * nchunks * (cfg.chunk_size // cfg.row_block) * H * math.ceil(P / cfg.p_block),)
-    tiles = cfg.chunk if name == "state_scan" else cfg
-    per_row = H * math.ceil(P / tiles.p_block) * math.ceil(N / tiles.n_block)
+    per_row = H * math.ceil(P / cfg.p_block) * math.ceil(N / cfg.n_block)
     return ((nchunks + nseq) * b * per_row,) if name == "chunk_state" else (b * per_row,)
 
 
 @pytest.mark.parametrize("spec", LAUNCH_SPECS, ids=lambda s: s.describe())
 @pytest.mark.parametrize("precision", [None, "ieee", "tf32"])
-@pytest.mark.parametrize("knobs", ["plain", "shared_scores", "fused_states"])
-def test_launches_match_compiled_signatures(monkeypatch, spec, precision, knobs):
+@pytest.mark.parametrize("shared_scores", [False, True])
+def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared_scores):
     """The host code (run on CPU tensors with ct.launch intercepted) passes every kernel the
     dtypes, ranks, scalars and constants of the signature the dispatcher's config describes,
-    over a grid that covers every output tile exactly once (also with compute_out's scores shared
-    from kernels/chunk_scores.py, and with the state stage fused where it can be)."""
+    over a grid that covers every output tile exactly once (with compute_out's scores computed
+    inside it or shared from kernels/chunk_scores.py)."""
     launches = []
     make_plan = ssd.make_plan
 
-    def plan_with_knobs(key, *args, **kwargs):
-        plan = make_plan(key, *args, **kwargs)
-        fused = knobs == "fused_states" and not (key.varlen or key.per_seq_start)
-        return replace(plan, out=replace(plan.out, shared_scores=knobs == "shared_scores",
-                                         ordered_loads=knobs == "shared_scores"),
-                       chunk_state=replace(plan.chunk_state, fused=fused))
+    def plan_with_knob(*args, **kwargs):
+        plan = make_plan(*args, **kwargs)
+        return replace(plan, out=replace(plan.out, shared_scores=shared_scores,
+                                         ordered_loads=shared_scores))
 
     def fake_launch(stream, grid, kernel, args):
         launches.append((grid, kernel, args))
 
     for module in (chunk_cumsum, fwd_pass_state, chunk_scores, compute_out):
         monkeypatch.setattr(module.ct, "launch", fake_launch)
-    monkeypatch.setattr(ssd, "make_plan", plan_with_knobs)
+    monkeypatch.setattr(ssd, "make_plan", plan_with_knob)
     monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
     problem = build_problem(spec)

@@ -147,30 +147,6 @@ def test_chunk_state_tuner_knobs_compute_the_same_states(x_dtype, precision, kno
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("x_dtype, precision", [("bf16", None), ("bf16", "tf32"),
-                                                ("fp32", None)])
-@pytest.mark.parametrize("knobs", [dict(fused=True), dict(fused=True, transposed=True)],
-                         ids=lambda k: "+".join(k))
-def test_the_fused_state_scan_computes_the_same_states(x_dtype, precision, knobs):
-    """state_scan_kernel (chunk_state and the state passing in one walk over the chunks) gives
-    the two kernels' chunk and final states to float32 roundings, with seq_idx resets mid-chunk
-    and the rows' initial states."""
-    spec = ProblemSpec(batch=1, seqlen=1100, nheads=8, headdim=64, dstate=64, ngroups=2,
-                       chunk_size=256, x_dtype=x_dtype, bc_dtype=x_dtype, initial_states=True,
-                       cu_seqlens=(0, 300, 301, 700, 1100))
-    problem = build_problem(spec, "cuda").with_tensors(cu_seqlens=None)   # seq_idx alone
-    results = []
-    for changes in ({}, knobs):
-        pipeline = _with_knobs(problem, precision, "chunk_state", changes)
-        dt, cumsum = pipeline.cumsum()
-        results.append([t.double() for t in pipeline.states(dt, cumsum)[:2]])
-    for name, a, b in zip(("chunk_states", "final_states"), *results):
-        tol = relation_tolerance(torch.float32, float(a.abs().max()))
-        assert float((a - b).abs().max()) <= tol, name
-
-
-@pytest.mark.gpu
-@requires_gpu
 def test_nan_stays_in_its_row_head_channel_and_chunk():
     """A NaN in x reaches out of its (row, head, channel) from its chunk's start on, and nothing
     else. (Positions before it in its chunk are reached too: the intra-chunk matmul multiplies

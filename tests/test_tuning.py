@@ -134,6 +134,45 @@ def test_table_takes_the_first_shape_of_a_key_and_lists_all(tmp_path, monkeypatc
     assert [e["key"] for e in loaded] == [ssd.tuning_key(anchor_key(), m) for m in (DEFAULT, other)]
 
 
+def test_later_runs_replace_the_stages_they_searched(tmp_path, monkeypatch):
+    """--table-from, repeated: a run that searched chunk_state alone replaces the chunk_state
+    tiles of every entry its keys reach, and leaves the earlier run's compute_out winners (its
+    own compute_out rows are the dispatcher's choice, not a search)."""
+    def run(command, searched, chunk_p_block, out_p_block, probe_row_block):
+        stages = {"chunk_state": [dict(row_block=64, p_block=chunk_p_block, n_block=128,
+                                       occupancy=2, transposed=False, ordered_loads=True,
+                                       ms=0.5)],
+                  "compute_out": [dict(row_block=64, p_block=out_p_block, occupancy=4,
+                                       transposed=True, ordered_loads=True, ms=0.6)]}
+        record = dict(shape=anchor_shape(8), key=ssd.tuning_key(anchor_key(), DEFAULT),
+                      stages={s: stages[s] for s in searched},
+                      best={"chunk_state": stages["chunk_state"][0],
+                            "state_passing": dict(p_block=32, n_block=64, occupancy=4, ms=0.1),
+                            "compute_out": stages["compute_out"][0]},
+                      precision_probes={"compute_out": [
+                          dict(row_block=probe_row_block, p_block=out_p_block, occupancy=4,
+                               precision="tf32" if DEFAULT != "tf32" else "input", ms=1.0)]},
+                      default_ms=2.0, tuned_ms=1.0)
+        path = tmp_path / f"{command}.json"
+        path.write_text(json.dumps(dict(provenance=dict(command=command), records=[record])))
+        return str(path)
+
+    first = run("first", ("chunk_state", "compute_out"), 32, 32, 128)
+    second = run("second", ("chunk_state",), 64, 64, 64)
+    monkeypatch.setattr(tune, "TABLE_PATH", str(tmp_path / "tuned.json"))
+    assert tune.main(["--table-from", first, "--table-from", second]) == 0
+    written = json.loads((tmp_path / "tuned.json").read_text())
+    assert len(written["entries"]) == 2
+    for entry in written["entries"]:
+        assert entry["chunk_state"]["p_block"] == 64
+        assert len(entry["measured"]) == 2
+    searched, probed = written["entries"]
+    assert searched["compute_out"]["p_block"] == 32
+    assert probed["compute_out"]["row_block"] == 128
+    assert written["tuned_by"] == "second"
+    assert [s["tuned_by"] for s in written["sources"]] == ["first", "second"]
+
+
 def test_tuner_candidates_respect_the_problem_sizes():
     small = (1, 512, 4, 32, 16, 1, "bfloat16")
     assert tune.fits(dict(row_block=64, p_block=32, n_block=16), small)
