@@ -17,7 +17,10 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     the full grid). "3xtf32" runs the matmuls on tensor cores in
     split precision: up to ~4e-6, a few times float32's error, which a float32 reference-grade
     rule rejects, hence an opt-in. "tf32" is the fast opt-in: ~2e-4..3e-4 (operands rounded to
-    10-bit mantissas; mamba_ssm's 1.2e-3 on float32 inputs is the same kind).
+    10-bit mantissas; mamba_ssm's 1.2e-3 on float32 inputs is the same kind). The price of the
+    default is steep: at (8, 4096, 64 heads) "ieee" took 124 ms against mamba_ssm's 1.9 ms in the
+    same run (reports/h200/bench.txt, c091e22; its FMA-unit matmuls run at ~1% of the FP32 peak),
+    "3xtf32" 5.4 ms and "tf32" 3.4 ms (experiments/host_and_fp32_probe_c091e22.txt).
   - bf16 x: "input" by default: raw 16-bit products (C.B^T) run in the input dtype, exact; the
     computed operands of the output's matmuls (decay-weighted scores, the entering states) are
     rounded to bf16, as mamba_ssm does, while chunk and final states stay float32-grade (below).
