@@ -217,9 +217,10 @@ def resolve_precision(precision: Optional[str], x_dtype: torch.dtype) -> str:
 def state_precision(mode: str, x_dtype: torch.dtype) -> str:
     """The mode of the chunk-state matmul: float32-grade for 16-bit x (final_states are float32),
     in three bf16 terms for bf16 x in the bf16 modes (~2^-27 per product against the exact bf16
-    operand; at (8, 4096, 64 heads) the states stage took 0.54 ms so against 0.87 ms in three
-    TF32 terms at the same tiles, reports/h200/experiments/tune_21181f8_gpu0.json, and the H200
-    envelope's bf16 states errors stayed the same or fell), the user's mode for float32 x."""
+    operand; at (8, 4096, 64 heads) the states stage took 0.54 ms this way against 0.87 ms in
+    three TF32 terms at the same tiles, reports/h200/experiments/tune_21181f8_gpu0.json; over the
+    H200 envelope's bf16 cells the states errors changed by 0.72x to 1.01x, the worst unchanged),
+    the user's mode for float32 x."""
     if mode in BF16_SPLITS or (mode == "input" and x_dtype == torch.bfloat16):
         return "3xbf16"
     return "3xtf32" if x_dtype != torch.float32 and mode in ("tf32", "input") else mode
