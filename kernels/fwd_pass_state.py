@@ -59,26 +59,6 @@ def split_block_index(pid, nheads, n_p_blocks, n_n_blocks):
 
 
 @ct.function
-def carry_into(log2_decay_cumsum, seq_idx, batch, head, end, CHUNK: ct.Constant[int],
-               HAS_SEQ: ct.Constant[bool]):
-    """How the state moves from entering the chunk of position ``end`` to after it: (carry weight
-    2^(S_end), 0 when another sequence than end's entered the chunk; seq(end), 0 without seq_idx;
-    whether it was carried; (hi, lo) of S_end)."""
-    chunk = end // CHUNK
-    first = chunk * CHUNK
-    hi_end, lo_end = log2_cumsum_at(log2_decay_cumsum, batch, head, chunk, end - first)
-    carried = True
-    seq_end = 0
-    if HAS_SEQ:
-        seq_end = ct.load(seq_idx, (batch, end), shape=(1, 1)).reshape(())
-        # Chunk 0's entering state belongs to the row's first sequence.
-        seq_before = ct.load(seq_idx, (batch, ct.maximum(first - 1, 0)), shape=(1, 1)).reshape(())
-        carried = seq_end == seq_before
-    weight = ct.where(carried, exp2_nonpos(hi_end + lo_end), 0.0)
-    return weight, seq_end, carried, hi_end, lo_end
-
-
-@ct.function
 def chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_block, n_block,
                     end, seq_end, hi_end, lo_end, CHUNK: ct.Constant[int],
                     ROW_BLOCK: ct.Constant[int], P_BLOCK: ct.Constant[int],
@@ -160,8 +140,15 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
         end = ct.where(target >= nchunks, sequence_end, end)
     chunk = end // CHUNK
     first = chunk * CHUNK
-    weight, seq_end, carried, hi_end, lo_end = carry_into(log2_decay_cumsum, seq_idx, batch, head,
-                                                          end, CHUNK, HAS_SEQ)
+    hi_end, lo_end = log2_cumsum_at(log2_decay_cumsum, batch, head, chunk, end - first)
+    carried = True
+    seq_end = 0
+    if HAS_SEQ:
+        seq_end = ct.load(seq_idx, (batch, end), shape=(1, 1)).reshape(())
+        # Chunk 0's entering state belongs to the row's first sequence.
+        seq_before = ct.load(seq_idx, (batch, ct.maximum(first - 1, 0)), shape=(1, 1)).reshape(())
+        carried = seq_end == seq_before
+    weight = ct.where(carried, exp2_nonpos(hi_end + lo_end), 0.0)
     if p_block == 0 and n_block == 0:
         ct.store(carry_weight, (batch, head, target), weight.reshape((1, 1, 1)))
     acc = chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_block,
