@@ -100,6 +100,10 @@ QUICK_CASES = (
     case("fp32-3xtf32-near-unit-decay-L4097-Q256", precision="3xtf32", regime="near_unit_decay",
          seqlen=4097, chunk_size=256),
     case("bf16-3xtf32-L257-z", precision="3xtf32", x_dtype="bf16", bc_dtype="bf16", z=True),
+    # The bf16 split of float32 operands, held to the full rule where 3xtf32 misses it.
+    case("fp32-3xbf16-L1000-Dchannel", precision="3xbf16", seqlen=1000, D="channel"),
+    case("fp32-3xbf16-near-unit-decay-L4097-Q256", precision="3xbf16", regime="near_unit_decay",
+         seqlen=4097, chunk_size=256),
     case("fp32-tf32-L1000", precision="tf32", seqlen=1000, D="head"),
     case("bf16-L1000-Q256-p128-n128-g8-Dhead-z", x_dtype="bf16", bc_dtype="bf16", seqlen=1000,
          chunk_size=256, headdim=128, dstate=128, ngroups=8, D="head", z=True),

@@ -21,6 +21,9 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     default is steep: at (8, 4096, 64 heads) "ieee" took 124 ms against mamba_ssm's 1.9 ms in the
     same run (reports/h200/bench.txt, c091e22; its FMA-unit matmuls run at ~1% of the FP32 peak),
     "3xtf32" 5.4 ms and "tf32" 3.4 ms (experiments/host_and_fp32_probe_c091e22.txt).
+    "3xbf16" cuts both float32 operands in three bf16 terms (6 bf16 MMAs, ~2^-26 per product):
+    float32-grade in a CPU model of its rounding (tests/test_precision_model.py), the candidate
+    for a fast default; not yet measured on the GPU, so not the default.
   - bf16 x: "input" by default: raw 16-bit products (C.B^T) run in the input dtype, exact; the
     computed operands of the output's matmuls (decay-weighted scores, the entering states) are
     rounded to bf16, as mamba_ssm does, while chunk and final states stay float32-grade (below).
@@ -112,8 +115,11 @@ AUTO_PRECISION = {torch.float32: "ieee", torch.bfloat16: "input", torch.float16:
 # (tf32 1.27 vs 1.43 ms at the best tiles: freed registers let 4 blocks share an SM) and lost
 # with 4 (0.80 vs 0.70 ms: the (b, L, G, Q) scores traffic outweighs 4 small MMAs); 8 is between.
 SHARED_SCORES_MIN_HEADS = 8
-# Opt-in modes for bf16 x only (kernels/tile_ops.py); their chunk-state matmul runs 3xbf16.
+# Opt-in modes that cut float32 MMA operands into bf16 terms (kernels/tile_ops.py): 2xbf16 for
+# bf16 x, 3xbf16 for bf16 or float32 x (fp16 values are not exact in bf16 terms). With bf16 x
+# their chunk-state matmul runs 3xbf16.
 BF16_SPLITS = ("2xbf16", "3xbf16")
+BF16_SPLIT_X_DTYPES = {"2xbf16": (torch.bfloat16,), "3xbf16": (torch.bfloat16, torch.float32)}
 
 
 @dataclass(frozen=True)
@@ -207,9 +213,12 @@ def resolve_precision(precision: Optional[str], x_dtype: torch.dtype) -> str:
         raise SSDInputError("precision: expected 'input' only with bf16/fp16 x (it rounds MMA "
                             "operands to x's 16-bit dtype), got 'input' with float32 x; use "
                             "'tf32' for a fast float32 mode")
-    if precision in BF16_SPLITS and x_dtype != torch.bfloat16:
-        raise SSDInputError(f"precision: expected {precision!r} only with bf16 x (it cuts MMA "
-                            f"operands into bf16 terms against raw bf16 ones), got it with "
+    allowed = BF16_SPLIT_X_DTYPES.get(precision, (x_dtype,))
+    if x_dtype not in allowed:
+        names = " or ".join(str(d).replace("torch.", "") for d in allowed)
+        raise SSDInputError(f"precision: expected {precision!r} only with {names} x (it cuts "
+                            f"float32 MMA operands into bf16 terms, which hold neither fp16 "
+                            f"values nor their range exactly), got it with "
                             f"{str(x_dtype).replace('torch.', '')} x")
     return precision
 

@@ -17,9 +17,15 @@ Precision modes (``ct.mma`` operands; accumulation is always float32):
             tensor cores, 2 MMAs. The operands keep bf16's bytes and layouts through shared
             memory, where TF32 ones cost the output kernel most of its time (ncu on the H200).
     3xbf16  the same in 3 bf16 terms (~2^-27 relative: float32-grade), 3 bf16 MMAs, which take
-            the tensor cores half the time of 3xtf32's three TF32 ones.
-            Both fall back to the 3xtf32 split where neither operand is raw bf16 (fp16 or float32
-            inputs: an fp16 term would overflow where float32 operands exceed 65504).
+            the tensor cores half the time of 3xtf32's three TF32 ones. Two float32 operands are
+            each cut in 3 bf16 terms a1 + a2 + a3 (|a2| <= 2^-9 |a|, |a3| <= 2^-18 |a|) and
+            multiplied in the 6 MMAs whose products exceed ~2^-27 relative (a1b1, a1b2, a2b1,
+            a1b3, a3b1, a2b2): ~2^-26 per product, below float32's own rounding, at 6 bf16 MMAs
+            (float32 x's candidate for a fast float32-grade mode, where "ieee" runs on the FMA
+            units at ~1% of their peak).
+            2xbf16 falls back to the 3xtf32 split where neither operand is raw bf16, and both
+            where an operand is raw fp16 (not exact in bf16; an fp16 term would overflow where
+            float32 operands exceed 65504).
 
 A product of two raw 16-bit inputs of one dtype (C . B^T with bf16 B and C) is exact in every mode
 and always runs in that dtype.
@@ -185,6 +191,26 @@ def _exact_times_split(exact, split_me, acc, EXACT_LEFT: ct.Constant[bool], DTYP
 
 
 @ct.function
+def _split_times_split(a, b, acc):
+    """acc + a @ b for two float32 operands, each cut in 3 bf16 terms; the 6 products above
+    ~2^-27 relative, smallest first (see _exact_times_split)."""
+    a1 = _round(a, ct.bfloat16)
+    rest = a - a1.astype(ct.float32)
+    a2 = _round(rest, ct.bfloat16)
+    a3 = _round(rest - a2.astype(ct.float32), ct.bfloat16)
+    b1 = _round(b, ct.bfloat16)
+    rest = b - b1.astype(ct.float32)
+    b2 = _round(rest, ct.bfloat16)
+    b3 = _round(rest - b2.astype(ct.float32), ct.bfloat16)
+    acc = ct.mma(a3, b1, acc)
+    acc = ct.mma(a1, b3, acc)
+    acc = ct.mma(a2, b2, acc)
+    acc = ct.mma(a2, b1, acc)
+    acc = ct.mma(a1, b2, acc)
+    return ct.mma(a1, b1, acc)
+
+
+@ct.function
 def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
     """acc + a @ b in float32 at the precision MODE names (module docstring). LOW_DTYPE is the
     16-bit dtype of MODE_INPUT (ignored by the other modes)."""
@@ -202,6 +228,8 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
     elif (MODE == MODE_2XBF16 or MODE == MODE_3XBF16) and b.dtype == ct.bfloat16:
         acc = _exact_times_split(b, a.astype(ct.float32), acc, False, ct.bfloat16,
                                  2 if MODE == MODE_2XBF16 else 3)
+    elif MODE == MODE_3XBF16 and not is_16bit(a) and not is_16bit(b):
+        acc = _split_times_split(a.astype(ct.float32), b.astype(ct.float32), acc)
     elif is_16bit(a):
         acc = _exact_times_split(a, b.astype(ct.float32), acc, True, ct.tfloat32, 3)
     elif is_16bit(b):

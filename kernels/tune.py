@@ -34,7 +34,7 @@ from multiprocessing import get_context
 import torch
 
 from kernels import ssd
-from kernels.contract import validate
+from kernels.contract import SSDInputError, validate
 from kernels.gpu_check import time_ms
 from kernels.tile_ops import next_pow2
 
@@ -186,8 +186,7 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
         tasks = []
         searched = getattr(getattr(plan, FIELD[stage]), "precision", None)
         for precision in PRECISION_PROBES.get(stage, ()):
-            if (precision == searched or (precision == "input" and shape[-1] == "float32")
-                    or (precision in ssd.BF16_SPLITS and shape[-1] != "bfloat16")):
+            if precision == searched or not _accepts(precision, shape[-1]):
                 continue
             tasks += [(shape, stage, _tiles(stage, row), precision) for row in timed]
         probes = []
@@ -218,6 +217,15 @@ def record_key(record: dict, precision: str) -> dict:
                          ngroups=shape["ngroups"], chunk_size=ssd.DEFAULT_CHUNK_SIZE,
                          x_dtype=dtype, b_dtype=dtype, c_dtype=dtype)
     return ssd.tuning_key(key, precision)
+
+
+def _accepts(precision: str, dtype: str) -> bool:
+    """Whether ssd_forward takes ``precision`` with x of ``dtype``."""
+    try:
+        ssd.resolve_precision(precision, getattr(torch, dtype))
+    except SSDInputError:
+        return False
+    return True
 
 
 def _tiles(stage: str, row: dict) -> dict:

@@ -44,9 +44,9 @@ f32, bf16, f16, i32, i64 = torch.float32, torch.bfloat16, torch.float16, torch.i
 
 
 def _anchor(batch, seqlen, nheads, ngroups, **kw) -> ProblemKey:
+    kw = dict(dict(x_dtype=bf16, b_dtype=bf16, c_dtype=bf16), **kw)
     return ProblemKey(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
-                      ngroups=ngroups, chunk_size=DEFAULT_CHUNK_SIZE, x_dtype=bf16, b_dtype=bf16,
-                      c_dtype=bf16, **kw)
+                      ngroups=ngroups, chunk_size=DEFAULT_CHUNK_SIZE, **kw)
 
 
 def _small(x, bc, Q, H, P, N, G, **kw) -> ProblemKey:
@@ -89,6 +89,11 @@ COVERING_KEYS = (
                                      seq_dtype=i32, cu_dtype=i32, nseq=4, varlen=True,
                                      has_d=True), bf16, "input"),
     ("anchor-b8-L4096-h64-2xbf16", _anchor(8, 4096, 64, 1), f32, "2xbf16"),
+    ("fp32-anchor-b8-L4096-h64-3xbf16", _anchor(8, 4096, 64, 1, x_dtype=f32, b_dtype=f32,
+                                                c_dtype=f32), f32, "3xbf16"),
+    ("fp32x-bf16bc-q64-3xbf16-packed", _small(f32, bf16, 64, 8, 64, 32, 2, z_dtype=f32,
+                                              has_d=True, seq_dtype=i32, start_dtype=f32),
+     f32, "3xbf16"),
     # A tuner knob the dispatcher picks only from a table or a user's cache: compiled here too.
     ("anchor-b8-L4096-h64-out-transposed", _anchor(8, 4096, 64, 1), f32, None,
      {"out": {"transposed": True}}),

@@ -17,7 +17,7 @@ from kernels.contract import SSDInputError, validate
 from kernels.device import CuTileUnavailable, tileiras_path
 from kernels.gpu_check import (FULL_GRID_ENV, check_case, check_int64_case, grid,
                                int64_problem_bytes)
-from kernels.ssd import ssd_forward, ssd_forward_stages
+from kernels.ssd import resolve_precision, ssd_forward, ssd_forward_stages
 from properties.problems import ProblemSpec, build_problem
 from properties.tolerances import relation_tolerance
 
@@ -214,8 +214,8 @@ def test_cpu_tensors_or_missing_cuda_raise_clear_errors():
 @pytest.mark.parametrize("kwargs, words", [
     (dict(chunk_size=32), r"chunk_size: expected one of \(64, 128, 256\)"),
     (dict(precision="input"), "precision: expected 'input' only with bf16/fp16 x"),
-    (dict(precision="2xbf16"), "precision: expected '2xbf16' only with bf16 x .* got it with "
-                               "float32 x"),
+    (dict(precision="2xbf16"), "precision: expected '2xbf16' only with bfloat16 x .* got it "
+                               "with float32 x"),
     (dict(precision="fp8"), "precision: expected 'auto' or one of"),
     (dict(state_dtype=torch.int8), "state_dtype: expected one of"),
 ])
@@ -223,6 +223,14 @@ def test_unsupported_arguments_raise_clear_errors(kwargs, words):
     p = _tiny()
     with pytest.raises(SSDInputError, match=words):
         ssd_forward(p.x, p.dt, p.A, p.B, p.C, **kwargs)
+
+
+def test_3xbf16_takes_bf16_and_float32_x_and_refuses_fp16():
+    for dtype in (torch.bfloat16, torch.float32):
+        assert resolve_precision("3xbf16", dtype) == "3xbf16"
+    with pytest.raises(SSDInputError, match="expected '3xbf16' only with bfloat16 or float32 x "
+                                            ".* got it with float16 x"):
+        resolve_precision("3xbf16", torch.float16)
 
 
 def test_unsupported_dstate_raises_clear_error():

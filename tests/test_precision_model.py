@@ -52,13 +52,16 @@ def split(t: torch.Tensor, terms: int, rounding=tf32) -> list[torch.Tensor]:
 
 def mma(mode: str, a: torch.Tensor, b: torch.Tensor, exact: str) -> torch.Tensor:
     """a @ b as kernels.tile_ops.precise_mma computes it; exact: "a" or "b" names the operand
-    that is a 16-bit input (exact in TF32), "" neither."""
+    that is a 16-bit input (exact in TF32), "" neither (both float32)."""
     if mode == "ieee":
         return a @ b
     if mode == "tf32":
         return tf32(a) @ tf32(b)
     if mode == "input":                 # bf16 x: both operands rounded to bf16
         return bf16(a) @ bf16(b)
+    if mode == "3xbf16" and not exact:  # both float32: 3 bf16 terms each, the 6 largest products
+        (a1, a2, a3), (b1, b2, b3) = split(a, 3, bf16), split(b, 3, bf16)
+        return a3 @ b1 + a1 @ b3 + a2 @ b2 + a2 @ b1 + a1 @ b2 + a1 @ b1
     if mode in ("2xbf16", "3xbf16") and exact:
         terms = split(a if exact == "b" else b, int(mode[0]), bf16)
         if exact == "b":
@@ -86,19 +89,24 @@ def model_out(problem, chunk_states: torch.Tensor, mode: str) -> torch.Tensor:
     C = ch.C.repeat_interleave(per_group, dim=3).permute(0, 1, 3, 2, 4)  # (b, c, H, Q, N)
     B = ch.B.repeat_interleave(per_group, dim=3).permute(0, 1, 3, 2, 4)
     x = ch.x.permute(0, 1, 3, 2, 4)                                      # (b, c, H, Q, P)
-    y = mma(mode, C, chunk_states.to(torch.float32).transpose(-1, -2), "a")
+    c_exact, x_exact = (problem.C.dtype != torch.float32), (problem.x.dtype != torch.float32)
+    y = mma(mode, C, chunk_states.to(torch.float32).transpose(-1, -2), "a" if c_exact else "")
     y = y * torch.exp2(S.clamp(max=0.0))[..., None]
     local = torch.arange(Q)
     decay = torch.where(local[None, :] <= local[:, None],
                         torch.exp2((S[..., :, None] - S[..., None, :]).clamp(max=0.0)), 0.0)
-    weights = (C @ B.transpose(-1, -2)) * (decay * dt[..., None, :])
+    scores = C @ B.transpose(-1, -2)
+    if problem.B.dtype == problem.C.dtype == torch.float32:
+        scores = mma(mode, C, B.transpose(-1, -2), "")
+    weights = scores * (decay * dt[..., None, :])
     blocks = []
     for i in range(Q // ROW_BLOCK):
         rows = slice(i * ROW_BLOCK, (i + 1) * ROW_BLOCK)
         acc = y[..., rows, :]
         for j in range(i + 1):
             cols = slice(j * ROW_BLOCK, (j + 1) * ROW_BLOCK)
-            acc = acc + mma(mode, weights[..., rows, cols], x[..., cols, :], "b")
+            acc = acc + mma(mode, weights[..., rows, cols], x[..., cols, :],
+                            "b" if x_exact else "")
         blocks.append(acc)
     y = torch.cat(blocks, dim=-2).permute(0, 1, 3, 2, 4).reshape(b, c * Q, H, P)[:, :problem.seqlen]
     if inp.D is not None:
@@ -108,21 +116,47 @@ def model_out(problem, chunk_states: torch.Tensor, mode: str) -> torch.Tensor:
     return y.to(problem.x.dtype)
 
 
+def model_states(problem, mode: str) -> torch.Tensor:
+    """chunk_states (b, c, H, P, N) float32 as chunk_state_kernel rounds its matmul's operands in
+    ``mode`` (weights on x where both operands are float32), then the float32 state passing.
+    Rows without seq_idx resets."""
+    inp = prepare(problem, dtype=torch.float32)
+    ch = chunk_cumsum(inp, problem.chunk_size)
+    b, c, _, H, P = ch.x.shape
+    per_group = H // ch.B.shape[3]
+    S = ch.log2_decay_cumsum.permute(0, 2, 1, 3)                         # (b, c, H, Q)
+    weights = ch.dt.permute(0, 2, 1, 3) * torch.exp2((S[..., -1:] - S).clamp(max=0.0))
+    B = ch.B.repeat_interleave(per_group, dim=3).permute(0, 1, 3, 2, 4)  # (b, c, H, Q, N)
+    x = ch.x.permute(0, 1, 3, 2, 4)                                      # (b, c, H, Q, P)
+    b_exact = problem.B.dtype != torch.float32
+    increment = mma(mode, (x * weights[..., None]).transpose(-1, -2), B, "b" if b_exact else "")
+    h = inp.initial_states if inp.initial_states is not None else increment.new_zeros(
+        b, H, P, B.shape[-1])
+    states = []
+    for k in range(c):
+        states.append(h)
+        h = torch.exp2(S[:, k, :, -1].clamp(max=0.0))[..., None, None] * h + increment[:, k]
+    return torch.stack(states, dim=1)
+
+
 def cell_problem(name: str, seed: int):
     (cell,) = [c for c in build_cells(GRIDS["full"], 0) if c.name == name]
     (spec,) = [s for s in cell.specs() if s.seed == seed]
     return build_problem(spec, "cpu")
 
 
-def judged(problem, mode: str) -> tuple[int, float]:
-    """(non-finite outputs where a finite one is owed, max|err| / the accuracy rule's allowance)."""
+def judged(problem, mode: str, states_in_mode: bool = False) -> tuple[int, float]:
+    """(non-finite outputs where a finite one is owed, max|err| / the accuracy rule's allowance);
+    with states_in_mode the chunk states too come from the model, else from the float32
+    reference."""
     exact = sequential_ssd(problem).out
     reference = chunked_ssd(problem, compute_dtype=torch.float32, state_dtype=torch.float32)
     dtype = problem.x.dtype
     ref = error_metrics(reference.out, exact, dtype)
     allowed = tolerances.tolerance("out", dtype).allowed(
         ref["max_abs"], tolerances.unit_roundoff(dtype) * ref["exact_absmax"])
-    got = error_metrics(model_out(problem, reference.stages["chunk_states"], mode), exact, dtype)
+    states = model_states(problem, mode) if states_in_mode else reference.stages["chunk_states"]
+    got = error_metrics(model_out(problem, states, mode), exact, dtype)
     return got["nonfinite"], got["max_abs"] / allowed
 
 
@@ -168,3 +202,19 @@ def test_the_bf16_split_modes_sit_within_the_rule_and_below_tf32(name, seed):
         nonfinite, ratio = judged(problem, mode)
         assert nonfinite == 0 and ratio <= 1.0 and ratio <= tf32_ratio * 1.05, (mode, ratio,
                                                                                 tf32_ratio)
+
+
+@pytest.mark.parametrize("name,seed", [("mamba2_init/fp32/L1000", 0),
+                                       ("near_unit_decay/fp32/L1000", 0),
+                                       ("tiny_magnitude/fp32/L1000", 0)])
+def test_the_float32_bf16_split_is_float32_grade_in_the_model(name, seed):
+    """3xbf16 with float32 x: every float32 operand in 3 bf16 terms and the 6 products above
+    ~2^-27 relative, in the states' matmul too. In the model its output error stays within
+    0.35 of the rule (the H200 envelope's float32 cells, "ieee": up to 0.34); leaving out the
+    a2.b2 product (~2^-18) puts it at 2.4-4.2 of the rule. The model predicts 3xtf32 within the
+    rule as well (0.29-0.37 on these cells), where the H200 measured 2.12 of it at
+    fp32-3xtf32-near-unit-decay-L4097-Q256 (reports/h200/gpu_report.md): it models operand
+    rounding only, not the tensor cores' own summation, so it is necessary here, not
+    sufficient; the GPU grid's fp32-3xbf16 cases judge."""
+    nonfinite, ratio = judged(cell_problem(name, seed), "3xbf16", states_in_mode=True)
+    assert nonfinite == 0 and ratio <= 0.35, ratio
