@@ -23,9 +23,9 @@ Precision modes (``ct.mma`` operands; accumulation is always float32):
             a1b3, a3b1, a2b2): ~2^-26 per product, below float32's own rounding, at 6 bf16 MMAs
             (float32 x's candidate for a fast float32-grade mode, where "ieee" runs on the FMA
             units at ~1% of their peak).
-            2xbf16 falls back to the 3xtf32 split where neither operand is raw bf16, and both
-            where an operand is raw fp16 (not exact in bf16; an fp16 term would overflow where
-            float32 operands exceed 65504).
+            2xbf16 falls back to the 3xtf32 split where neither operand is raw bf16; both modes
+            do where one operand is raw fp16 and the other float32 (fp16 values are not exact in
+            one bf16 term, and fp16 terms would overflow where float32 operands exceed 65504).
 
 A product of two raw 16-bit inputs of one dtype (C . B^T with bf16 B and C) is exact in every mode
 and always runs in that dtype.
