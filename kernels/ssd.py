@@ -287,6 +287,22 @@ def _cached_entries(path: str, modified: float, device: str) -> dict[str, dict]:
     return _by_key([e for e in load_tuning_entries(path) if e.get("device") == device])
 
 
+class _ByIdentity:
+    """Hashes and compares as the object it holds, by identity, and keeps it alive: a cache key
+    for a dict that can never match a later dict at the same address."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, held):
+        self.held = held
+
+    def __hash__(self):
+        return id(self.held)
+
+    def __eq__(self, other):
+        return isinstance(other, _ByIdentity) and other.held is self.held
+
+
 def tuning_sources() -> tuple:
     """What decides the entries a call sees: the repository's table (by identity), the user's
     tuning cache (path and modification time; None when absent) and the GPU model reading it.
@@ -295,8 +311,8 @@ def tuning_sources() -> tuple:
     try:
         modified = os.path.getmtime(path)
     except OSError:
-        return id(TUNED), path, None, None
-    return id(TUNED), path, modified, current_device()
+        return _ByIdentity(TUNED), path, None, None
+    return _ByIdentity(TUNED), path, modified, current_device()
 
 
 def tuned_entry(tkey: dict, sources: Optional[tuple] = None) -> dict:
