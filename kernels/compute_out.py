@@ -45,7 +45,7 @@ import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
-                              index_variants, kernel_signature, load_log2_cumsum,
+                              index_placeholder, index_variants, kernel_signature, load_log2_cumsum,
                               load_transposed, log2_decay_between, log2_decay_since, precise_mma,
                               scalar_constraint)
 
@@ -307,9 +307,9 @@ def compute_out(inp: OutInputs, cfg: ComputeOutConfig) -> torch.Tensor:
     args = (inp.x, inp.B, inp.C, scores, inp.dt, inp.log2_decay_cumsum, inp.A, inp.chunk_states,
             inp.D if inp.D is not None else placeholder.view(1, 1),
             inp.z if inp.z is not None else inp.x,
-            inp.seq_idx if inp.seq_idx is not None else placeholder.view(1, 1).to(torch.int32),
+            inp.seq_idx if inp.seq_idx is not None else index_placeholder(out.device).view(1, 1),
             inp.start_states if inp.start_states is not None else placeholder.view(1, 1, 1, 1),
-            inp.cu_seqlens if inp.cu_seqlens is not None else placeholder.to(torch.int32),
+            inp.cu_seqlens if inp.cu_seqlens is not None else index_placeholder(out.device),
             out, L, H, H // inp.B.shape[2], npb, *cfg.constants())
     ct.launch(torch.cuda.current_stream(), (b * nrow_blocks * npb * H,), cfg.kernel, args)
     return out

@@ -40,7 +40,8 @@ import cuda.tile as ct
 import torch
 
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, is_16bit,
-                              index_variants, kernel_signature, load_log2_cumsum, log2_cumsum_at,
+                              index_placeholder, index_variants, kernel_signature,
+                              load_log2_cumsum, log2_cumsum_at,
                               load_transposed, log2_decay_between, log2_decay_since, precise_mma,
                               scalar_constraint)
 
@@ -322,7 +323,7 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
     ntargets = nchunks + (0 if ends is None else ends.numel())
     increment = torch.empty(b, ntargets, H, P, N, device=dev, dtype=f32)
     carry_weight = torch.empty(b, H, ntargets, device=dev, dtype=f32)
-    placeholder_int = torch.zeros(1, device=dev, dtype=torch.int32)
+    placeholder_int = index_placeholder(dev)
     seq_idx = inp.seq_idx if inp.seq_idx is not None else placeholder_int.view(1, 1)
     placeholder = increment.view(-1)[:1].view(1, 1, 1, 1)    # stands in for absent arrays, unread
     start = inp.start_states if inp.per_seq_start else placeholder

@@ -296,18 +296,43 @@ def _cached_entries(path: str, modified: float, device: str) -> dict[str, dict]:
     return _by_key([e for e in load_tuning_entries(path) if e.get("device") == device])
 
 
-def tuned_entry(tkey: dict) -> dict:
+class _ByIdentity:
+    """Hashes and compares as the object it holds, by identity, and keeps it alive: a cache key
+    for a dict that can never match a later dict at the same address."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, held):
+        self.held = held
+
+    def __hash__(self):
+        return id(self.held)
+
+    def __eq__(self, other):
+        return isinstance(other, _ByIdentity) and other.held is self.held
+
+
+def tuning_sources() -> tuple:
+    """What decides the entries a call sees: the repository's table (by identity), the user's
+    tuning cache (path and modification time; None when absent) and the GPU model reading it.
+    Every call passes here: one stat when there is no cache, nothing more."""
+    path = tuning_cache_path()
+    try:
+        modified = os.path.getmtime(path)
+    except OSError:
+        return _ByIdentity(TUNED), path, None, None
+    return _ByIdentity(TUNED), path, modified, current_device()
+
+
+def tuned_entry(tkey: dict, sources: Optional[tuple] = None) -> dict:
     """The tiles for a tuning key: the user's tuning cache entry for this GPU model, else
     kernels/tuned.json's, else none (the heuristics of make_plan decide). Without a CUDA device
     (CI compiling variants) only the repository's table counts."""
     key = json.dumps(tkey, sort_keys=True)
-    path = tuning_cache_path()
-    try:            # every call passes here: one stat when there is no cache, nothing more
-        modified = os.path.getmtime(path)
-    except OSError:
-        return TUNED.get(key, {})
-    device = current_device()
-    found = None if device is None else _cached_entries(path, modified, device).get(key)
+    _, path, modified, device = sources or tuning_sources()
+    found = None
+    if modified is not None and device is not None:
+        found = _cached_entries(path, modified, device).get(key)
     return TUNED.get(key, {}) if found is None else found
 
 
@@ -329,9 +354,18 @@ def _state_passing_tiles(key: ProblemKey, p_pad: int, n_pad: int,
 def make_plan(key: ProblemKey, state_dtype: torch.dtype = DEFAULT_STATE_DTYPE,
               precision: Optional[str] = None) -> Plan:
     """The kernels' variants and tiles for a problem: a function of the key and, on a GPU, of the
-    user's tuning cache (CI, without a GPU, compiles the variants it picks for the anchor shapes)."""
+    user's tuning cache (CI, without a GPU, compiles the variants it picks for the anchor shapes).
+    Remembered per key and tuning sources: building one was a third of the host path's Python
+    time (36 of ~114 us on a 2-core CPU machine, launches stubbed), which small problems pay in
+    full (reports/h200/experiments/host_and_fp32_probe_c091e22.txt)."""
+    return _plan(key, state_dtype, precision, tuning_sources())
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
+          sources: tuple) -> Plan:
     mode = resolve_precision(precision, key.x_dtype)
-    tuned = tuned_entry(tuning_key(key, mode))
+    tuned = tuned_entry(tuning_key(key, mode), sources)
     wide = key.needs_int64()
     Q = key.chunk_size
     row_block = min(ROW_BLOCK, Q)

@@ -223,6 +223,21 @@ def test_calls_prefer_the_cache_entry_of_their_gpu_model(tmp_path, monkeypatch):
         assert ssd.make_plan(anchor_key()).out.occupancy == table["compute_out"]["occupancy"]
 
 
+def test_plans_are_remembered_per_key_until_a_tuning_source_changes(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv(ssd.TUNING_CACHE_ENV, str(path))
+    monkeypatch.setattr(ssd, "current_device", lambda: "NVIDIA H200")
+    first = ssd.make_plan(anchor_key())
+    assert ssd.make_plan(anchor_key()) is first
+    assert ssd.make_plan(replace(anchor_key(), batch=3)) is not first
+    tune.write_cache(_tuned_document(3), str(path))       # the user's cache appears
+    assert ssd.make_plan(anchor_key()).out.occupancy == 3
+    monkeypatch.setattr(ssd, "TUNED", {})                  # another repository table
+    monkeypatch.delenv(ssd.TUNING_CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "none"))
+    assert ssd.make_plan(anchor_key()).out.occupancy is None
+
+
 def test_an_unreadable_cache_is_an_error_that_names_it(tmp_path, monkeypatch):
     path = tmp_path / "tuned.json"
     path.write_text("{not json")
