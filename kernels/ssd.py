@@ -109,17 +109,18 @@ P_BLOCK = 64
 STATE_N_BLOCK = 64
 TUNED_TABLE = os.path.join(os.path.dirname(__file__), "tuned.json")
 # What precision='auto' means per x dtype (module docstring says why).
-AUTO_PRECISION = {torch.float32: "ieee", torch.bfloat16: "input", torch.float16: "3xtf32"}
+AUTO_PRECISION = {torch.float32: "3xbf16", torch.bfloat16: "input", torch.float16: "3xbf16"}
 # Heads per group from which compute_out shares the scores C_i . B_j^T across them. On the H200
 # (tuner, bf16, reports/h200/experiments/tune_322c7d5.json) sharing won with 64 heads per group
 # (tf32 1.27 vs 1.43 ms at the best tiles: freed registers let 4 blocks share an SM) and lost
 # with 4 (0.80 vs 0.70 ms: the (b, L, G, Q) scores traffic outweighs 4 small MMAs); 8 is between.
 SHARED_SCORES_MIN_HEADS = 8
-# Opt-in modes that cut float32 MMA operands into bf16 terms (kernels/tile_ops.py): 2xbf16 for
-# bf16 x, 3xbf16 for bf16 or float32 x (fp16 values are not exact in bf16 terms). With bf16 x
-# their chunk-state matmul runs 3xbf16.
+# Modes that cut float32 MMA operands into bf16 terms (kernels/tile_ops.py): 2xbf16 for bf16 x
+# (against raw bf16 operands), 3xbf16 for any x (fp16 and float32 operands are cut too). Their
+# chunk-state matmul runs 3xbf16.
 BF16_SPLITS = ("2xbf16", "3xbf16")
-BF16_SPLIT_X_DTYPES = {"2xbf16": (torch.bfloat16,), "3xbf16": (torch.bfloat16, torch.float32)}
+BF16_SPLIT_X_DTYPES = {"2xbf16": (torch.bfloat16,),
+                       "3xbf16": (torch.bfloat16, torch.float16, torch.float32)}
 
 
 @dataclass(frozen=True)
@@ -216,9 +217,9 @@ def resolve_precision(precision: Optional[str], x_dtype: torch.dtype) -> str:
     allowed = BF16_SPLIT_X_DTYPES.get(precision, (x_dtype,))
     if x_dtype not in allowed:
         names = " or ".join(str(d).replace("torch.", "") for d in allowed)
-        raise SSDInputError(f"precision: expected {precision!r} only with {names} x (it cuts "
-                            f"float32 MMA operands into bf16 terms, which hold neither fp16 "
-                            f"values nor their range exactly), got it with "
+        raise SSDInputError(f"precision: expected {precision!r} only with {names} x (it multiplies "
+                            f"raw bf16 operands by float32 ones cut into bf16 terms; '3xbf16' "
+                            f"cuts both and takes any x), got it with "
                             f"{str(x_dtype).replace('torch.', '')} x")
     return precision
 

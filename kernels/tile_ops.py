@@ -23,9 +23,9 @@ Precision modes (``ct.mma`` operands; accumulation is always float32):
             a1b3, a3b1, a2b2): ~2^-26 per product, below float32's own rounding, at 6 bf16 MMAs
             (float32 x's candidate for a fast float32-grade mode, where "ieee" runs on the FMA
             units at ~1% of their peak).
-            2xbf16 falls back to the 3xtf32 split where neither operand is raw bf16; both modes
-            do where one operand is raw fp16 and the other float32 (fp16 values are not exact in
-            one bf16 term, and fp16 terms would overflow where float32 operands exceed 65504).
+            An fp16 operand goes the same way: its 11 bits are exact in two bf16 terms (the
+            third is 0) and bf16 has float32's range, where fp16 terms would overflow past 65504.
+            2xbf16 falls back to the 3xtf32 split where neither operand is raw bf16.
 
 A product of two raw 16-bit inputs of one dtype (C . B^T with bf16 B and C) is exact in every mode
 and always runs in that dtype.
@@ -174,36 +174,40 @@ def _oriented_mma(exact, term, acc, EXACT_LEFT: ct.Constant[bool]):
 
 
 @ct.function
+def _terms(a, DTYPE: ct.Constant):
+    """(hi, mid, lo): float32 ``a`` cut in 3 terms of DTYPE (tfloat32 or bfloat16), each rounded
+    to nearest from what the earlier ones left: 11 more bits per TF32 term, 8 per bf16 term."""
+    hi = _round(a, DTYPE)
+    rest = a - hi.astype(ct.float32)
+    mid = _round(rest, DTYPE)
+    return hi, mid, _round(rest - mid.astype(ct.float32), DTYPE)
+
+
+@ct.function
 def _exact_times_split(exact, split_me, acc, EXACT_LEFT: ct.Constant[bool], DTYPE: ct.Constant,
                        TERMS: ct.Constant[int]):
     """acc + exact @ split_me (or split_me @ exact): ``exact`` is exact in DTYPE (a 16-bit input),
-    ``split_me`` float32 cut into TERMS (2 or 3) terms of DTYPE, hi + mid [+ lo], each rounded to
-    nearest from what the earlier ones left: 11 more bits per TF32 term, 8 per bf16 term."""
+    ``split_me`` float32 cut into TERMS (2 or 3) terms of DTYPE (``_terms``), hi + mid [+ lo]."""
     e = exact.astype(DTYPE)
-    hi = _round(split_me, DTYPE)
-    rest = split_me - hi.astype(ct.float32)
-    mid = _round(rest, DTYPE)
+    hi, mid, lo = _terms(split_me, DTYPE)
     # Small terms first: they are then added to a small accumulator, not lost in a large one.
     if TERMS == 3:
-        acc = _oriented_mma(e, _round(rest - mid.astype(ct.float32), DTYPE), acc, EXACT_LEFT)
+        acc = _oriented_mma(e, lo, acc, EXACT_LEFT)
     acc = _oriented_mma(e, mid, acc, EXACT_LEFT)
     return _oriented_mma(e, hi, acc, EXACT_LEFT)
 
 
 @ct.function
 def _split_times_split(a, b, acc):
-    """acc + a @ b for two float32 operands, each cut in 3 bf16 terms; the 6 products above
-    ~2^-27 relative, smallest first (see _exact_times_split)."""
-    a1 = _round(a, ct.bfloat16)
-    rest = a - a1.astype(ct.float32)
-    a2 = _round(rest, ct.bfloat16)
-    a3 = _round(rest - a2.astype(ct.float32), ct.bfloat16)
-    b1 = _round(b, ct.bfloat16)
-    rest = b - b1.astype(ct.float32)
-    b2 = _round(rest, ct.bfloat16)
-    b3 = _round(rest - b2.astype(ct.float32), ct.bfloat16)
-    acc = ct.mma(a3, b1, acc)
-    acc = ct.mma(a1, b3, acc)
+    """acc + a @ b, neither operand raw bf16: both cut in 3 bf16 terms and the 6 products above
+    ~2^-27 relative summed, smallest first (see _exact_times_split). An fp16 operand's third
+    term is 0 (its 11 bits fit in two): the product with it is skipped."""
+    a1, a2, a3 = _terms(a.astype(ct.float32), ct.bfloat16)
+    b1, b2, b3 = _terms(b.astype(ct.float32), ct.bfloat16)
+    if not is_16bit(a):
+        acc = ct.mma(a3, b1, acc)
+    if not is_16bit(b):
+        acc = ct.mma(a1, b3, acc)
     acc = ct.mma(a2, b2, acc)
     acc = ct.mma(a2, b1, acc)
     acc = ct.mma(a1, b2, acc)
@@ -228,8 +232,8 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
     elif (MODE == MODE_2XBF16 or MODE == MODE_3XBF16) and b.dtype == ct.bfloat16:
         acc = _exact_times_split(b, a.astype(ct.float32), acc, False, ct.bfloat16,
                                  2 if MODE == MODE_2XBF16 else 3)
-    elif MODE == MODE_3XBF16 and not is_16bit(a) and not is_16bit(b):
-        acc = _split_times_split(a.astype(ct.float32), b.astype(ct.float32), acc)
+    elif MODE == MODE_3XBF16:
+        acc = _split_times_split(a, b, acc)
     elif is_16bit(a):
         acc = _exact_times_split(a, b.astype(ct.float32), acc, True, ct.tfloat32, 3)
     elif is_16bit(b):

@@ -65,6 +65,7 @@ def test_covering_set_covers_every_value():
     # Pairwise where it matters most: each precision mode with float32 and with 16-bit x.
     pairs = seen(lambda k, s, p: (p, k.x_dtype == torch.float32))
     assert pairs >= {("ieee", True), ("ieee", False), ("3xtf32", True), ("3xtf32", False),
+                     ("3xbf16", True), ("3xbf16", False),
                      ("tf32", True), ("tf32", False), ("input", False)}
 
 

@@ -59,10 +59,11 @@ def mma(mode: str, a: torch.Tensor, b: torch.Tensor, exact: str) -> torch.Tensor
         return tf32(a) @ tf32(b)
     if mode == "input":                 # bf16 x: both operands rounded to bf16
         return bf16(a) @ bf16(b)
-    if mode == "3xbf16" and not exact:  # both float32: 3 bf16 terms each, the 6 largest products
+    if mode == "3xbf16":  # 3 bf16 terms each, the 6 largest products (a raw bf16 operand's
+        # second and third terms are 0, which leaves its exact product with the other's terms)
         (a1, a2, a3), (b1, b2, b3) = split(a, 3, bf16), split(b, 3, bf16)
         return a3 @ b1 + a1 @ b3 + a2 @ b2 + a2 @ b1 + a1 @ b2 + a1 @ b1
-    if mode in ("2xbf16", "3xbf16") and exact:
+    if mode == "2xbf16" and exact:
         terms = split(a if exact == "b" else b, int(mode[0]), bf16)
         if exact == "b":
             return sum(term @ b for term in reversed(terms))
@@ -165,10 +166,16 @@ EDGE_CELLS = [("large_magnitude/fp16/L1000", 0), ("fp16_overflow/fp16/L1000", 2)
 
 
 @pytest.mark.parametrize("name,seed", EDGE_CELLS)
-def test_the_fp16_default_keeps_outputs_finite_and_within_the_rule(name, seed):
+@pytest.mark.parametrize("mode", [None, "3xtf32", "3xbf16"])
+def test_fp16_x_keeps_outputs_finite_and_within_the_rule(name, seed, mode):
+    """The default and both float32-grade splits: fp16 x, widened and cut in bf16 terms, keeps
+    float32's range (where fp16 terms overflow, below). Over seven fp16 cells the model puts
+    3xbf16, 3xtf32 and 'ieee' at the same 0.13-0.16 of the rule: the fp16 output's own rounding
+    dominates."""
     problem = cell_problem(name, seed)
-    nonfinite, ratio = judged(problem, resolve_precision(None, torch.float16))
-    assert nonfinite == 0 and ratio <= 1.0, (nonfinite, ratio)
+    nonfinite, ratio = judged(problem, resolve_precision(mode, torch.float16),
+                              states_in_mode=True)
+    assert nonfinite == 0 and ratio <= 0.2, (nonfinite, ratio)
 
 
 @pytest.mark.parametrize("name,seed", EDGE_CELLS)
