@@ -233,7 +233,9 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
         acc = _exact_times_split(b, a.astype(ct.float32), acc, False, ct.bfloat16,
                                  2 if MODE == MODE_2XBF16 else 3)
     elif MODE == MODE_3XBF16:
-        acc = _split_times_split(a, b, acc)
+        # Two float32 (or fp16) operands: float32-grade is the point, so the product is summed
+        # in a fresh accumulator and added here in round-to-nearest (``_FRESH`` below).
+        acc = acc + _split_times_split(a, b, ct.zeros(acc.shape, dtype=ct.float32))
     elif is_16bit(a):
         acc = _exact_times_split(a, b.astype(ct.float32), acc, True, ct.tfloat32, 3)
     elif is_16bit(b):
@@ -241,9 +243,13 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
     else:
         a_hi, a_lo = _tf32_split(a.astype(ct.float32))
         b_hi, b_lo = _tf32_split(b.astype(ct.float32))
-        acc = ct.mma(a_lo, b_hi, acc)
-        acc = ct.mma(a_hi, b_lo, acc)
-        acc = ct.mma(a_hi, b_hi, acc)
+        # _FRESH: the tensor cores' own float32 sums are not round-to-nearest; chained through
+        # a running accumulator, their errors pile up relative to its largest partial sums
+        # (the carried state's term in compute_out, all of a chunk in chunk_state), not to
+        # this product's.
+        product = ct.mma(a_lo, b_hi, ct.zeros(acc.shape, dtype=ct.float32))
+        product = ct.mma(a_hi, b_lo, product)
+        acc = acc + ct.mma(a_hi, b_hi, product)
     return acc
 
 

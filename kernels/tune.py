@@ -245,7 +245,8 @@ def table(records: list[dict], provenance: dict, command: str) -> dict:
     that key are listed with their own winners' times, for the reader to compare). Each probed
     compute_out mode gets an entry too, from its fastest probe (the other stages' tiles are the
     searched mode's). Records of several runs (``merged_table``) carry their run's index: a later
-    run's winners replace an earlier one's for the stages it searched."""
+    run's winners replace an earlier one's for the stages it searched, except that a probe of a
+    mode (four candidates) never replaces compute_out tiles that a search in that mode chose."""
     entries, decided_by = {}, {}
     for r in records:
         run = r.get("run", 0)
@@ -266,8 +267,11 @@ def table(records: list[dict], provenance: dict, command: str) -> dict:
             name = json.dumps(key, sort_keys=True)
             entry = entries.setdefault(name, dict(key=key, measured=[]))
             for s in CANDIDATES:
-                if s not in entry or (r.get("stages", {}).get(s) and decided_by[name, s] < run):
-                    entry[s], decided_by[name, s] = _tiles(s, winners[s]), run
+                # (run, whether a search in this mode chose the tiles)
+                rank = (run, mode == searched or s != "compute_out")
+                if s not in entry or (r.get("stages", {}).get(s) and decided_by[name, s][0] < run
+                                      and rank[1] >= decided_by[name, s][1]):
+                    entry[s], decided_by[name, s] = _tiles(s, winners[s]), rank
             entry["measured"].append(dict(shape=r["shape"], **times,
                                           own_winners={s: winners[s] for s in CANDIDATES}))
     ordered = [dict(key=e["key"], **{s: e[s] for s in CANDIDATES}, measured=e["measured"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,7 +162,25 @@ def test_later_runs_replace_the_stages_they_searched(tmp_path, monkeypatch):
     second = run("second", ("chunk_state",), 64, 64, 64)
     monkeypatch.setattr(tune, "TABLE_PATH", str(tmp_path / "tuned.json"))
     assert tune.main(["--table-from", first, "--table-from", second]) == 0
+    _check_merged(json.loads((tmp_path / "tuned.json").read_text()))
+
+    # A third run that searched compute_out in the probed mode, then a fourth that only probed
+    # it again: the search's tiles stay.
+    other = "tf32" if DEFAULT != "tf32" else "input"
+    third = json.loads(Path(first).read_text())
+    third["records"][0]["key"] = ssd.tuning_key(anchor_key(), other)
+    third["records"][0]["precision_probes"] = {}
+    third["records"][0]["stages"]["compute_out"][0]["p_block"] = 16
+    (tmp_path / "third.json").write_text(json.dumps(third))
+    fourth = run("fourth", ("chunk_state", "compute_out"), 64, 32, 64)
+    assert tune.main(["--table-from", first, "--table-from", str(tmp_path / "third.json"),
+                      "--table-from", fourth]) == 0
     written = json.loads((tmp_path / "tuned.json").read_text())
+    (probed,) = [e for e in written["entries"] if e["key"]["precision"] == other]
+    assert probed["compute_out"]["p_block"] == 16
+
+
+def _check_merged(written: dict) -> None:
     assert len(written["entries"]) == 2
     for entry in written["entries"]:
         assert entry["chunk_state"]["p_block"] == 64
