@@ -26,9 +26,9 @@ baseline's error need not show when its own rounding happens to fall the lucky w
 stage with softplus it is SOFTPLUS_FLOOR_ULPS: the kernel's softplus (exp, a division and a
 7-term series, ``kernels.tile_ops.softplus``) is within ~3 ulp where torch's is within 1/2.
 
-The opt-in modes on float32 inputs, TF32 and 3xTF32, are not float32-reference-grade by design:
-their out, final/varlen/chunk states may instead meet ``STATED_BOUNDS`` (normwise relative error),
-the accuracy ``kernels.ssd`` states for them; dt and log2_decay_cumsum (no matmul) keep the rule.
+The opt-in TF32 mode on float32 inputs is not float32-reference-grade by design: its out,
+final/varlen/chunk states may instead meet ``STATED_BOUNDS`` (normwise relative error), the
+accuracy ``kernels.ssd`` states for it; dt and log2_decay_cumsum (no matmul) keep the rule.
 """
 from __future__ import annotations
 
@@ -52,8 +52,10 @@ from properties.tolerances import tolerance
 
 FLOOR_ULPS = 1.0
 SOFTPLUS_FLOOR_ULPS = 4.0
-# Measured worst (quick grid): tf32 3e-4, 3xtf32 3.3e-6 (near-unit decay over 4097 steps).
-STATED_BOUNDS = {("tf32", torch.float32): 5e-3, ("3xtf32", torch.float32): 1e-5}
+# Measured worst (quick grid): tf32 3e-4. 3xtf32 had one too (1e-5, for 3.3e-6 at near-unit
+# decay over 4097 steps) until its products moved to fresh accumulators: the full grid then put
+# every float32 3xtf32 case within 0.29 of the rule itself (H200, 2051bb9).
+STATED_BOUNDS = {("tf32", torch.float32): 5e-3}
 MATMUL_QUANTITIES = ("out", "final_states", "varlen_states", "chunk_states")
 SEQUENTIAL_MAX_STEPS = 8192
 FULL_GRID_ENV = "MAMBA2_CUTILE_FULL_GRID"

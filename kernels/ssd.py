@@ -12,18 +12,17 @@ is ``kernels.contract``).
 
 Precision (``precision=``; kernels/tile_ops.py says what each mode computes). Errors below are
 normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
-  - float32 x: "ieee" by default: every product in float32 on the FMA units, the float32
-    chunked reference's accuracy (~1e-7..4e-7; within 2.2x of its max error on all 77 cases of
-    the full grid). "3xtf32" runs the matmuls on tensor cores in
-    split precision: up to ~4e-6, a few times float32's error, which a float32 reference-grade
-    rule rejects, hence an opt-in. "tf32" is the fast opt-in: ~2e-4..3e-4 (operands rounded to
-    10-bit mantissas; mamba_ssm's 1.2e-3 on float32 inputs is the same kind). The price of the
-    default is steep: at (8, 4096, 64 heads) "ieee" took 124 ms against mamba_ssm's 1.9 ms in the
-    same run (reports/h200/bench.txt, c091e22; its FMA-unit matmuls run at ~1% of the FP32 peak),
-    "3xtf32" 5.4 ms and "tf32" 3.4 ms (experiments/host_and_fp32_probe_c091e22.txt).
-    "3xbf16" cuts both float32 operands in three bf16 terms (6 bf16 MMAs, ~2^-26 per product):
-    float32-grade in a CPU model of its rounding (tests/test_precision_model.py), the candidate
-    for a fast default; not yet measured on the GPU, so not the default.
+  - float32 x: "3xbf16" by default: both float32 operands of every matmul cut in three bf16
+    terms, the 6 products above ~2^-27 relative on bf16 tensor cores, each product summed in
+    a fresh accumulator (kernels/tile_ops.py): float32-grade. On the H200 (2051bb9) the full
+    grid's float32 cases sit within 0.09-0.25 of the float32 rule with it; "ieee" (every
+    product in float32 on the FMA units, the float32 chunked reference's accuracy) at 0.02-0.37.
+    At (8, 4096, 64 heads) it took 5.2 ms against "ieee"'s 122 ms in one run
+    (reports/h200/experiments/fp32_modes_2051bb9.txt); mamba_ssm took 1.9 ms at c091e22 with a
+    normwise error of 1.5e-3 against our 2.3e-7. "3xtf32" (three TF32 terms) is as accurate
+    since its products moved to fresh accumulators (0.28 of the rule where it was 2.12) and as
+    fast (5.3 ms). "tf32" is the fast opt-in: 3.3 ms, ~2e-4..3e-4 (operands rounded to 10-bit
+    mantissas; mamba_ssm's 1.2e-3 on float32 inputs is the same kind). "ieee" stays an opt-in.
   - bf16 x: "input" by default: raw 16-bit products (C.B^T) run in the input dtype, exact; the
     computed operands of the output's matmuls (decay-weighted scores, the entering states) are
     rounded to bf16, as mamba_ssm does, while chunk and final states stay float32-grade (below).
