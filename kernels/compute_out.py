@@ -30,7 +30,9 @@ Measured on the H200 (bf16, chunk 256, (8, 4096, 64 heads, 1 group), tuner, same
 reports/h200/experiments/tune_322c7d5.json): 1.58 ms as first tuned (row block 64, P block 64,
 occupancy 2), 1.43 transposed, 1.27 transposed with shared scores, ordered loads and occupancy 4
 (the registers the per-head scores MMA held let 4 blocks share an SM); in 'input' precision
-0.77 ms. At (4, 8192, 32 heads, 8 groups) 0.82 -> 0.70 ms transposed, 0.58 in 'input'. Before
+0.77 ms. At (4, 8192, 32 heads, 8 groups) 0.82 -> 0.70 ms transposed, 0.58 in 'input'; a
+search in 'input' there (experiments/tune_21b71eb_input.json) chose row block 128 untransposed
+(0.53 ms in the tuner; in the bench, with L2 flushed, 0.43 -> 0.39 ms). Before
 these, ncu found the kernel bound by shared memory (L1/shared 61%, 46% of its wavefronts
 bank-conflict excess; DRAM 12%, occupancy 17%; experiments/ncu_anchor1_4f66ebf.txt): TF32
 operands must be K-major on Hopper's tensor cores, so a computed or loaded tile in the other

@@ -13,16 +13,19 @@ is ``kernels.contract``).
 Precision (``precision=``; kernels/tile_ops.py says what each mode computes). Errors below are
 normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
   - float32 x: "3xbf16" by default: both float32 operands of every matmul cut in three bf16
-    terms, the 6 products above ~2^-27 relative on bf16 tensor cores, each product summed in
-    a fresh accumulator (kernels/tile_ops.py): float32-grade. On the H200 (2051bb9) the full
-    grid's float32 cases sit within 0.09-0.25 of the float32 rule with it; "ieee" (every
-    product in float32 on the FMA units, the float32 chunked reference's accuracy) at 0.02-0.37.
-    At (8, 4096, 64 heads) it took 5.2 ms against "ieee"'s 122 ms in one run
-    (reports/h200/experiments/fp32_modes_2051bb9.txt); mamba_ssm took 1.9 ms at c091e22 with a
-    normwise error of 1.5e-3 against our 2.3e-7. "3xtf32" (three TF32 terms) is as accurate
-    since its products moved to fresh accumulators (0.28 of the rule where it was 2.12) and as
-    fast (5.3 ms). "tf32" is the fast opt-in: 3.3 ms, ~2e-4..3e-4 (operands rounded to 10-bit
-    mantissas; mamba_ssm's 1.2e-3 on float32 inputs is the same kind). "ieee" stays an opt-in.
+    terms, the 6 products above ~2^-27 relative on bf16 tensor cores, each product summed in a
+    fresh accumulator (kernels/tile_ops.py): float32-grade. On the H200 (a5536ec) the 80 cases of
+    the full grid (the >2^31-element one unfinished) passed the float32 rule with it, and
+    ``envelope --check`` passed on the 19 float32 cells against the "ieee" baseline (c091e22):
+    worst output 0.335 of the rule, as "ieee"'s, per-cell output errors 0.71x-1.03x of its.
+    At (8, 4096, 64 heads) it took 5.2-5.4 ms against "ieee"'s 122 ms
+    (reports/h200/experiments/fp32_modes_*.txt); mamba_ssm took 1.9 ms in an earlier run (c091e22),
+    at 1.5e-3 normwise against float64 where ours is ~2e-7. "3xtf32" (three TF32 terms) has been
+    as accurate since its products moved to fresh accumulators (0.28 of the rule at the case where
+    chained sums put it at 2.12) and about as fast (5.3-5.6 ms). "tf32" is the fast opt-in:
+    3.3 ms, ~2e-4..3e-4 (operands rounded to 10-bit mantissas; mamba_ssm's 1.2e-3 on float32
+    inputs is the same kind). "ieee" (every product in float32 on the FMA units, the float32
+    chunked reference's accuracy) is an opt-in.
   - bf16 x: "input" by default: raw 16-bit products (C.B^T) run in the input dtype, exact; the
     computed operands of the output's matmuls (decay-weighted scores, the entering states) are
     rounded to bf16, as mamba_ssm does, while chunk and final states stay float32-grade (below).
@@ -42,12 +45,16 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     of compute_out's operand rounding reproduces exactly those counts, fails the accuracy rule by
     13.7-16.5x at the finite positions, and gives 0 Infs and 0.13 of the rule with the split
     (the model: tests/test_precision_model.py). Re-measured on the H200 with the split
-    (reports/h200/envelope.md, 4b1e5b9): no Inf, fp16 outputs within 0.25 of the rule. Its fp16
-    speed is not yet measured.
+    (reports/h200/envelope.md, 4b1e5b9): no Inf, fp16 outputs within 0.25 of the rule. At the
+    first anchor in fp16 it ran at 0.32x mamba_ssm's speed (untuned; bench, c091e22). "3xbf16"
+    takes fp16 x too (widened, cut in bf16 terms): the H200 grid's fp16 cases passed with it as
+    their default (21b71eb) and the tuner took the first anchor's states and compute_out to
+    3.43 ms with it (experiments/tune_21b71eb_fp16_3xbf16.json), but no run has timed it beside
+    "3xtf32", so it stays an opt-in.
   In every 16-bit mode the chunk-state matmul (whose result, final_states, is float32) splits its
   float32 operand in three terms against the exact 16-bit one: float32-grade states at 3 MMAs of
-  a small matmul. The terms are bf16 for bf16 x in its bf16 modes ('input', '2xbf16', '3xbf16'),
-  TF32 otherwise (``state_precision``).
+  a small matmul. The terms are bf16 in the bf16 split modes and for bf16 x in 'input', TF32
+  otherwise (``state_precision``).
 State dtype (``state_dtype=``): chunk_states are stored in float32 by default, the better
 envelope at a small cost. bf16 halves their traffic (the largest after x and out) and saved 5-11%
 of the anchor shapes' time on the H200 (e.g. 3.41 -> 3.11 ms at (8, 4096, 64, 64, 128); measured
@@ -61,7 +68,9 @@ headdim and dstate, chunk size, x dtype, precision mode, shared scores), else th
 headdim 64, dstate 128, chunk 256): the state passing's tiles from reports/h200/tune.json
 (occupancy 2 for the matmul kernels was its largest single gain), compute_out's from
 reports/h200/experiments/tune_322c7d5.json, which searched its layout knobs in TF32 and probed
-every bf16 mode at the four fastest (each probed mode has its own entries), chunk_state's from
+every bf16 mode at the four fastest (each probed mode has its own entries), then for the default
+'input' from experiments/tune_21b71eb_input.json (searched in 'input' at the first two anchors;
+the second anchor's compute_out went from 0.43 to 0.39 ms in the bench), chunk_state's from
 reports/h200/experiments/tune_21181f8_gpu{0,1}.json (its layout knobs, with the 3-term bf16
 split; ``--table-from`` merges the runs, each stage from the latest run that searched it).
 Other keys are untuned. A user tunes their own

@@ -6,10 +6,9 @@ Precision modes (``ct.mma`` operands; accumulation is always float32):
     ieee    float32 operands on FMA units: float32 products, no tensor cores.
     3xtf32  split precision on tensor cores, 3 MMAs. Two float32 operands: a = hi + lo with
             hi = tf32(a), lo = tf32(a - hi) (round to nearest), a.b ~ hi.hi + hi.lo + lo.hi; the
-            dropped lo.lo and the rounding of lo leave ~2^-22 relative per product, a few times
-            float32's 2^-24 (measured on the H200: normwise error up to ~4e-6 on float32 inputs,
-            against ~4e-7 for float32 itself). A 16-bit operand is exact in TF32: the other one
-            is split in three (hi + mid + lo, 33 bits), so each product is exact to ~2^-33.
+            dropped lo.lo and the rounding of lo leave ~2^-22 relative per product. A 16-bit
+            operand is exact in TF32: the other one is split in three (hi + mid + lo, 33 bits),
+            so each product is exact to ~2^-33.
     tf32    operands rounded to TF32 (10-bit mantissa, ~2^-11 relative per operand).
     input   operands rounded to the 16-bit input dtype (bf16 / fp16), mamba_ssm's choice.
     2xbf16  for bf16 inputs: against a raw bf16 operand, the float32 one is cut into 2 bf16 terms
@@ -20,12 +19,22 @@ Precision modes (``ct.mma`` operands; accumulation is always float32):
             the tensor cores half the time of 3xtf32's three TF32 ones. Two float32 operands are
             each cut in 3 bf16 terms a1 + a2 + a3 (|a2| <= 2^-9 |a|, |a3| <= 2^-18 |a|) and
             multiplied in the 6 MMAs whose products exceed ~2^-27 relative (a1b1, a1b2, a2b1,
-            a1b3, a3b1, a2b2): ~2^-26 per product, below float32's own rounding, at 6 bf16 MMAs
-            (float32 x's candidate for a fast float32-grade mode, where "ieee" runs on the FMA
-            units at ~1% of their peak).
+            a1b3, a3b1, a2b2): ~2^-26 per product, below float32's own rounding (float32 x's
+            default: "ieee" runs on the FMA units at ~1% of their peak).
             An fp16 operand goes the same way: its 11 bits are exact in two bf16 terms (the
             third is 0) and bf16 has float32's range, where fp16 terms would overflow past 65504.
             2xbf16 falls back to the 3xtf32 split where neither operand is raw bf16.
+
+Where both operands are cut (two float32 ones in 3xtf32; two that are not raw bf16 in 3xbf16),
+the product is summed in a fresh accumulator and added to the running one in float32
+round-to-nearest. The tensor cores' own float32 sums are coarser than round-to-nearest additions
+(how, NVIDIA does not document); chained through a running accumulator, their errors are
+relative to its largest partial sums (the carried state's term in compute_out, a whole chunk in
+chunk_state), not to each product. On the H200, at fp32-near-unit-decay-L4097-Q256, chained sums
+put the output at 2.12 (3xtf32; reports/h200/gpu_report.md as of c091e22) and 1.52-2.01 (3xbf16, 21b71eb:
+reports/h200/experiments/gpu_report_fp32_fp16_default_3xbf16_21b71eb.md) of the float32 rule;
+fresh ones at 0.28 and 0.18, "ieee" at 0.22 (reports/h200/gpu_report.md, 2051bb9). The CPU model
+of tests/test_precision_model.py rounds operands, not these sums, and saw neither failure.
 
 A product of two raw 16-bit inputs of one dtype (C . B^T with bf16 B and C) is exact in every mode
 and always runs in that dtype.
@@ -233,8 +242,7 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
         acc = _exact_times_split(b, a.astype(ct.float32), acc, False, ct.bfloat16,
                                  2 if MODE == MODE_2XBF16 else 3)
     elif MODE == MODE_3XBF16:
-        # Two float32 (or fp16) operands: float32-grade is the point, so the product is summed
-        # in a fresh accumulator and added here in round-to-nearest (``_FRESH`` below).
+        # Both operands cut: a fresh accumulator (module docstring).
         acc = acc + _split_times_split(a, b, ct.zeros(acc.shape, dtype=ct.float32))
     elif is_16bit(a):
         acc = _exact_times_split(a, b.astype(ct.float32), acc, True, ct.tfloat32, 3)
@@ -243,10 +251,7 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
     else:
         a_hi, a_lo = _tf32_split(a.astype(ct.float32))
         b_hi, b_lo = _tf32_split(b.astype(ct.float32))
-        # _FRESH: the tensor cores' own float32 sums are not round-to-nearest; chained through
-        # a running accumulator, their errors pile up relative to its largest partial sums
-        # (the carried state's term in compute_out, all of a chunk in chunk_state), not to
-        # this product's.
+        # Both operands cut: a fresh accumulator (module docstring).
         product = ct.mma(a_lo, b_hi, ct.zeros(acc.shape, dtype=ct.float32))
         product = ct.mma(a_hi, b_lo, product)
         acc = acc + ct.mma(a_hi, b_hi, product)
