@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -58,7 +59,6 @@ from properties.provenance import REPO_ROOT, collect, device_label
 
 SCHEMA = "mamba2-cutile bench 1"
 NOMINAL_GBPS = 4300.0                # H200 HBM3e, the device README's figure
-L2_FLUSH_BYTES = 256 << 20           # H200 L2: 50 MB
 COPY_PROBE_BYTES = 1 << 30           # copied once per timed call: 2 GiB of traffic
 MAMBA_CHUNK_SIZE = 256
 FLA_CHUNK_SIZE = 64                  # chunk_simple_gla's default
@@ -257,18 +257,34 @@ ESTIMATE_REPS = 3
 
 # ---------------------------------------------------------------- timing on the GPU
 
+# More than any current GPU's L2 (H200: 50 MB): zeroing it before a timed call evicts its inputs.
+L2_FLUSH_BYTES = 256 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _flush_buffer(device: int) -> torch.Tensor:
+    return torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+
+
+def flush_l2() -> None:
+    """Queue a write over more than the L2 of the current device, so that the next call starts
+    cold, as a model layer does (its inputs were not the last thing the GPU touched). Every
+    timed call of the project, the benchmark's and the tuner's (``kernels.gpu_check.time_ms``),
+    follows one."""
+    _flush_buffer(torch.cuda.current_device()).zero_()
+
+
 class CudaTimer:
     """CUDA-event times of single calls, each after an L2 flush (the module docstring's method)."""
 
-    def __init__(self, plan: TimingPlan, device="cuda"):
+    def __init__(self, plan: TimingPlan):
         self.plan = plan
-        self.flush_buffer = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
 
     def times(self, fn: Callable[[], Any], reps: int) -> list[float]:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for start, end in zip(starts, ends):
-            self.flush_buffer.zero_()
+            flush_l2()
             start.record()
             fn()
             end.record()
