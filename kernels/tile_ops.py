@@ -33,8 +33,9 @@ relative to its largest partial sums (the carried state's term in compute_out, a
 chunk_state), not to each product. On the H200, at fp32-near-unit-decay-L4097-Q256, chained sums
 put the output at 2.12 (3xtf32; reports/h200/gpu_report.md as of c091e22) and 1.52-2.01 (3xbf16, 21b71eb:
 reports/h200/experiments/gpu_report_fp32_fp16_default_3xbf16_21b71eb.md) of the float32 rule;
-fresh ones at 0.28 and 0.18, "ieee" at 0.22 (reports/h200/gpu_report.md, 2051bb9). The CPU model
-of tests/test_precision_model.py rounds operands, not these sums, and saw neither failure.
+fresh ones at 0.28 and 0.18, "ieee" at 0.22 (reports/h200/gpu_report.md, 2051bb9). A CPU model
+whose tensor cores add each instruction's k-step exactly and truncate to float32 reproduces both
+verdicts (tests/test_precision_model.py); with float32 sums it had seen neither failure.
 
 A product of two raw 16-bit inputs of one dtype (C . B^T with bf16 B and C) is exact in every mode
 and always runs in that dtype.
