@@ -92,16 +92,16 @@ def tensor_core_mma(left, right, acc, step):
     """acc + left @ right as this model's tensor cores sum it: each instruction adds its k-step
     of products to the accumulator exactly and truncates the sum to float32."""
     for k in range(0, left.shape[-1], step):
-        acc = truncate_to_float32(acc.double()
-                                  + left[..., k:k + step].double() @ right[..., k:k + step, :].double())
+        products = left[..., k:k + step].double() @ right[..., k:k + step, :].double()
+        acc = truncate_to_float32(acc.double() + products)
     return acc
 
 
 def accumulate(mode: str, a, b, exact: str, acc, sums: str):
     """acc + a @ b with precise_mma's operand rounding. sums: "cpu" (float32 matmuls summed by
-    the CPU, the model's first form), or the tensor cores' truncated k-steps either "chained" through acc or
-    from a "fresh" accumulator added to acc in round-to-nearest (precise_mma where both operands
-    are cut)."""
+    the CPU, the model's first form), or the tensor cores' truncated k-steps, either "chained"
+    through acc or from a "fresh" accumulator added to acc in round-to-nearest (precise_mma
+    where both operands are cut)."""
     products = term_products(mode, a, b, exact)
     if sums == "cpu" or products[0][2] == 0:
         return acc + sum(left @ right for left, right, _ in products)
