@@ -41,9 +41,8 @@ import torch
 
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, is_16bit,
                               index_placeholder, index_variants, kernel_signature,
-                              load_log2_cumsum, log2_cumsum_at,
-                              load_transposed, log2_decay_between, log2_decay_since, precise_mma,
-                              scalar_constraint)
+                              load_log2_cumsum, load_transposed, log2_cumsum_at,
+                              log2_decay_between, log2_decay_since, precise_mma, scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 

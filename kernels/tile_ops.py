@@ -31,11 +31,12 @@ round-to-nearest. The tensor cores' own float32 sums are coarser than round-to-n
 (how, NVIDIA does not document); chained through a running accumulator, their errors are
 relative to its largest partial sums (the carried state's term in compute_out, a whole chunk in
 chunk_state), not to each product. On the H200, at fp32-near-unit-decay-L4097-Q256, chained sums
-put the output at 2.12 (3xtf32; reports/h200/gpu_report.md as of c091e22) and 1.52-2.01 (3xbf16, 21b71eb:
-reports/h200/experiments/gpu_report_fp32_fp16_default_3xbf16_21b71eb.md) of the float32 rule;
-fresh ones at 0.28 and 0.18, "ieee" at 0.22 (reports/h200/gpu_report.md, 2051bb9). A CPU model
-whose tensor cores add each instruction's k-step exactly and truncate to float32 reproduces both
-verdicts (tests/test_precision_model.py); with float32 sums it had seen neither failure.
+put the output at 2.12 (3xtf32; reports/h200/gpu_report.md as of c091e22) and 1.52-2.01
+(3xbf16; reports/h200/experiments/gpu_report_fp32_fp16_default_3xbf16_21b71eb.md) of the
+float32 rule; fresh ones at 0.28 and 0.18, "ieee" at 0.22 (reports/h200/gpu_report.md, 2051bb9).
+A CPU model whose tensor cores add each instruction's k-step exactly and truncate to float32
+reproduces both verdicts (tests/test_precision_model.py); with float32 sums it had seen neither
+failure.
 
 A product of two raw 16-bit inputs of one dtype (C . B^T with bf16 B and C) is exact in every mode
 and always runs in that dtype.
@@ -168,13 +169,6 @@ def _tf32(a):
 
 
 @ct.function
-def _tf32_split(a):
-    """(hi, lo): a ~ hi + lo, both TF32, to ~2^-22 relative."""
-    hi = _tf32(a)
-    return hi, _tf32(a - hi.astype(ct.float32))
-
-
-@ct.function
 def _oriented_mma(exact, term, acc, EXACT_LEFT: ct.Constant[bool]):
     if EXACT_LEFT:
         acc = ct.mma(exact, term, acc)
@@ -250,8 +244,8 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
     elif is_16bit(b):
         acc = _exact_times_split(b, a.astype(ct.float32), acc, False, ct.tfloat32, 3)
     else:
-        a_hi, a_lo = _tf32_split(a.astype(ct.float32))
-        b_hi, b_lo = _tf32_split(b.astype(ct.float32))
+        a_hi, a_lo, _ = _terms(a.astype(ct.float32), ct.tfloat32)
+        b_hi, b_lo, _ = _terms(b.astype(ct.float32), ct.tfloat32)
         # Both operands cut: a fresh accumulator (module docstring).
         product = ct.mma(a_lo, b_hi, ct.zeros(acc.shape, dtype=ct.float32))
         product = ct.mma(a_hi, b_lo, product)

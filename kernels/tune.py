@@ -267,11 +267,13 @@ def table(records: list[dict], provenance: dict, command: str) -> dict:
             name = json.dumps(key, sort_keys=True)
             entry = entries.setdefault(name, dict(key=key, measured=[]))
             for s in CANDIDATES:
-                # (run, whether a search in this mode chose the tiles)
-                rank = (run, mode == searched or s != "compute_out")
-                if s not in entry or (r.get("stages", {}).get(s) and decided_by[name, s][0] < run
-                                      and rank[1] >= decided_by[name, s][1]):
-                    entry[s], decided_by[name, s] = _tiles(s, winners[s]), rank
+                by_search = mode == searched or s != "compute_out"   # not a mode's probe
+                if s in entry:
+                    earlier_run, earlier_by_search = decided_by[name, s]
+                    if not (r.get("stages", {}).get(s) and earlier_run < run
+                            and (by_search or not earlier_by_search)):
+                        continue
+                entry[s], decided_by[name, s] = _tiles(s, winners[s]), (run, by_search)
             entry["measured"].append(dict(shape=r["shape"], **times,
                                           own_winners={s: winners[s] for s in CANDIDATES}))
     ordered = [dict(key=e["key"], **{s: e[s] for s in CANDIDATES}, measured=e["measured"])
