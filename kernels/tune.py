@@ -92,11 +92,11 @@ def shape_inputs(shape, seqlen=None) -> dict:
     return inputs
 
 
-def fits(cand: dict, shape) -> bool:
+def fits(cand: dict, shape, chunk_size: int) -> bool:
     """A candidate's tiles divide the chunk and do not exceed the padded headdim and dstate."""
     _, _, _, P, N, _, _ = shape
     p_pad, n_pad = (max(ssd.MIN_TILE, next_pow2(v)) for v in (P, N))
-    return (cand.get("row_block", 0) <= ssd.DEFAULT_CHUNK_SIZE and cand.get("p_block", 0) <= p_pad
+    return (cand.get("row_block", 0) <= chunk_size and cand.get("p_block", 0) <= p_pad
             and cand.get("n_block", 0) <= n_pad)
 
 
@@ -107,8 +107,8 @@ def with_candidate(plan: ssd.Plan, stage: str, cand: dict, precision: str | None
     return replace(plan, **{FIELD[stage]: cfg})
 
 
-def _pipeline(inputs: dict, plan: ssd.Plan | None = None) -> ssd.StagePipeline:
-    problem = validate(**inputs, chunk_size=ssd.DEFAULT_CHUNK_SIZE, return_final_states=True)
+def _pipeline(inputs: dict, chunk_size: int, plan: ssd.Plan | None = None) -> ssd.StagePipeline:
+    problem = validate(**inputs, chunk_size=chunk_size, return_final_states=True)
     pipeline = ssd.stage_pipeline(problem)
     return pipeline if plan is None else replace(pipeline, plan=plan)
 
@@ -121,9 +121,9 @@ def _stage_call(pipeline: ssd.StagePipeline, stage: str, dt, cumsum, states):
 
 def _compile_task(args):
     """Compile one candidate plan in a worker by running it on a short problem of the shape."""
-    shape, stage, cand, precision = args
+    shape, chunk_size, stage, cand, precision = args
     try:
-        pipeline = _pipeline(shape_inputs(shape, seqlen=2 * ssd.DEFAULT_CHUNK_SIZE))
+        pipeline = _pipeline(shape_inputs(shape, seqlen=2 * chunk_size), chunk_size)
         pipeline = replace(pipeline, plan=with_candidate(pipeline.plan, stage, cand, precision))
         dt, cumsum = pipeline.cumsum()
         states, _, _ = pipeline.states(dt, cumsum)
@@ -134,17 +134,17 @@ def _compile_task(args):
         return f"{type(exc).__name__}: {exc}"[:300]
 
 
-def _search(shape, stage, pool, inputs, plan, dt, cumsum, states):
+def _search(shape, chunk_size, stage, pool, inputs, plan, dt, cumsum, states):
     """(rows, best): every fitting candidate of ``stage`` timed on ``plan``'s other stages."""
-    cands = [c for c in CANDIDATES[stage] if fits(c, shape)]
-    errors = list(pool.map(_compile_task, [(shape, stage, c, None) for c in cands]))
+    cands = [c for c in CANDIDATES[stage] if fits(c, shape, chunk_size)]
+    errors = list(pool.map(_compile_task, [(shape, chunk_size, stage, c, None) for c in cands]))
     rows = []
     for cand, error in zip(cands, errors):
         row = dict(cand)
         if error:
             row["error"] = error
         else:
-            pipeline = _pipeline(inputs, with_candidate(plan, stage, cand))
+            pipeline = _pipeline(inputs, chunk_size, with_candidate(plan, stage, cand))
             try:
                 row["ms"] = time_ms(_stage_call(pipeline, stage, dt, cumsum, states), reps=7)
             except Exception as exc:
@@ -157,26 +157,27 @@ def _search(shape, stage, pool, inputs, plan, dt, cumsum, states):
     return rows, min(timed, key=lambda r: r["ms"])
 
 
-def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
+def tune_shape(shape, pool, stages=tuple(CANDIDATES),
+               chunk_size: int = ssd.DEFAULT_CHUNK_SIZE) -> dict:
     inputs = shape_inputs(shape)
-    base = _pipeline(inputs)
+    base = _pipeline(inputs, chunk_size)
     dt, cumsum = base.cumsum()
     states, _, _ = base.states(dt, cumsum)
     record = dict(shape=dict(zip(("batch", "seqlen", "nheads", "headdim", "dstate", "ngroups",
                                   "dtype"), shape)),
-                  dispatcher={s: asdict(getattr(base.plan, FIELD[s])) for s in CANDIDATES},
+                  chunk_size=chunk_size, dispatcher={s: asdict(getattr(base.plan, FIELD[s])) for s in CANDIDATES},
                   stages={}, best={})
     plan = base.plan
     for stage in CANDIDATES:
         if stage in stages:
-            record["stages"][stage], best = _search(shape, stage, pool, inputs, plan, dt, cumsum,
-                                                    states)
+            record["stages"][stage], best = _search(shape, chunk_size, stage, pool, inputs, plan,
+                                                    dt, cumsum, states)
         else:
             # Not searched: the dispatcher's choice stands (and is what the table keeps).
             dispatched = asdict(getattr(plan, FIELD[stage]))
             best = {k: dispatched[k] for k in CANDIDATES[stage][0]}
-            best["ms"] = time_ms(_stage_call(_pipeline(inputs, plan), stage, dt, cumsum, states),
-                                 reps=7)
+            best["ms"] = time_ms(_stage_call(_pipeline(inputs, chunk_size, plan), stage, dt, cumsum,
+                                             states), reps=7)
         record["best"][stage] = best
         plan = with_candidate(plan, stage, {k: best[k] for k in best if k != "ms"})
         # Each probed mode at the PROBED_CANDIDATES fastest candidates of the search, or at the
@@ -188,10 +189,10 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
         for precision in PRECISION_PROBES.get(stage, ()):
             if precision == searched or not _accepts(precision, shape[-1]):
                 continue
-            tasks += [(shape, stage, _tiles(stage, row), precision) for row in timed]
+            tasks += [(shape, chunk_size, stage, _tiles(stage, row), precision) for row in timed]
         probes = []
-        for (_, _, cand, precision), error in zip(tasks, pool.map(_compile_task, tasks)):
-            pipeline = _pipeline(inputs, with_candidate(plan, stage, cand, precision))
+        for (_, _, _, cand, precision), error in zip(tasks, pool.map(_compile_task, tasks)):
+            pipeline = _pipeline(inputs, chunk_size, with_candidate(plan, stage, cand, precision))
             ms = None if error else time_ms(_stage_call(pipeline, stage, dt, cumsum, states),
                                             reps=7)
             probes.append(dict(cand, precision=precision, ms=ms, error=error))
@@ -199,7 +200,7 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES)) -> dict:
         record.setdefault("precision_probes", {})[stage] = probes
     record["default_ms"] = time_ms(_stage_call(base, "compute_out", dt, cumsum, states), reps=7) \
         + time_ms(_stage_call(base, "states", dt, cumsum, states), reps=7)
-    tuned = _pipeline(inputs, plan)
+    tuned = _pipeline(inputs, chunk_size, plan)
     record["tuned_ms"] = time_ms(_stage_call(tuned, "compute_out", dt, cumsum, states), reps=7) \
         + time_ms(_stage_call(tuned, "states", dt, cumsum, states), reps=7)
     record["key"] = record_key(record, ssd.resolve_precision(None, inputs["x"].dtype))
@@ -214,7 +215,8 @@ def record_key(record: dict, precision: str) -> dict:
     dtype = getattr(torch, shape["dtype"])
     key = ssd.ProblemKey(batch=shape["batch"], seqlen=shape["seqlen"], nheads=shape["nheads"],
                          headdim=shape["headdim"], dstate=shape["dstate"],
-                         ngroups=shape["ngroups"], chunk_size=ssd.DEFAULT_CHUNK_SIZE,
+                         ngroups=shape["ngroups"],
+                         chunk_size=record.get("chunk_size", ssd.DEFAULT_CHUNK_SIZE),
                          x_dtype=dtype, b_dtype=dtype, c_dtype=dtype)
     return ssd.tuning_key(key, precision)
 
@@ -310,6 +312,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cache", action="store_true",
                         help="merge the winners into the per-user tuning cache "
                              "(kernels.ssd.tuning_cache_path(); $MAMBA2_CUTILE_TUNING_CACHE)")
+    parser.add_argument("--chunk-size", type=int, default=ssd.DEFAULT_CHUNK_SIZE,
+                        choices=ssd.SUPPORTED_CHUNK_SIZES,
+                        help="the chunk size to tune at (a key of its own in the table)")
     parser.add_argument("--stages", default=",".join(CANDIDATES),
                         help="stages to search (default: all; '' for none: a timing of the "
                              "dispatcher's choice); the others keep the dispatcher's choice")
@@ -350,7 +355,7 @@ def main(argv=None) -> int:
     records = []
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
         for shape in shapes:
-            records.append(tune_shape(shape, pool, stages))
+            records.append(tune_shape(shape, pool, stages, args.chunk_size))
             with open(os.path.join(args.out, "tune.json"), "w") as f:
                 json.dump(dict(provenance=collect(), records=records), f, indent=1, default=str)
             print(f"{shape}: default {records[-1]['default_ms']:.3f} ms -> tuned "

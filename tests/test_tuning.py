@@ -192,12 +192,19 @@ def _check_merged(written: dict) -> None:
     assert [s["tuned_by"] for s in written["sources"]] == ["first", "second"]
 
 
+def test_a_run_at_another_chunk_size_keys_its_winners_there():
+    record = dict(shape=anchor_shape(8), chunk_size=128)
+    assert tune.record_key(record, DEFAULT)["chunk_size"] == 128
+    assert tune.record_key(dict(shape=anchor_shape(8)), DEFAULT)["chunk_size"] == 256   # older runs
+
+
 def test_tuner_candidates_respect_the_problem_sizes():
     small = (1, 512, 4, 32, 16, 1, "bfloat16")
-    assert tune.fits(dict(row_block=64, p_block=32, n_block=16), small)
-    assert not tune.fits(dict(row_block=64, p_block=64, n_block=16), small)
-    assert not tune.fits(dict(row_block=64, p_block=32, n_block=32), small)
-    assert not tune.fits(dict(row_block=512), small)
+    assert tune.fits(dict(row_block=64, p_block=32, n_block=16), small, 256)
+    assert not tune.fits(dict(row_block=64, p_block=64, n_block=16), small, 256)
+    assert not tune.fits(dict(row_block=64, p_block=32, n_block=32), small, 256)
+    assert not tune.fits(dict(row_block=512), small, 256)
+    assert not tune.fits(dict(row_block=128, p_block=32, n_block=16), small, 64)
 
 
 def test_tune_needs_an_output_folder_or_a_saved_run():
