@@ -105,7 +105,7 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
     # computed weights the right one, which on the H200 staged through shared memory (this
     # kernel's bound) with fewer conflicts than the other way round (tf32 tuner, 1.33 vs 1.56 ms).
     if TRANSPOSED:
-        C_it = load_transposed(C, batch, rows, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS)
+        C_it = load_transposed(C, batch, rows, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS, 0)
         h = ct.load(chunk_states, (batch, chunk, head, p_block, 0), shape=(1, 1, 1, P_BLOCK, N_PAD),
                     padding_mode=ZERO).reshape((P_BLOCK, N_PAD))
         y = precise_mma(h, C_it, ct.zeros((P_BLOCK, ROW_BLOCK), dtype=ct.float32), MODE, x.dtype)
@@ -151,14 +151,15 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
                                           lo_j[:, None])
             weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[:, None])
             x_jt = load_transposed(x, batch, cols, head, p_block, ROW_BLOCK, P_BLOCK,
-                                   ORDERED_LOADS)
+                                   ORDERED_LOADS, 0)
             y = precise_mma(x_jt, weights, y, MODE, x.dtype)
         else:
             if SHARED_SCORES:
                 s = ct.load(scores, (batch, chunk, group, row_block, col_block),
                             shape=(1, 1, 1, ROW_BLOCK, ROW_BLOCK)).reshape((ROW_BLOCK, ROW_BLOCK))
             else:
-                B_jt = load_transposed(B, batch, cols, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS)
+                B_jt = load_transposed(B, batch, cols, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS,
+                                       0)
                 s = precise_mma(C_i, B_jt, ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32),
                                 MODE, x.dtype)
             sees = local_j[None, :] <= local_i[:, None]

@@ -64,9 +64,10 @@ def chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_
                     ROW_BLOCK: ct.Constant[int], P_BLOCK: ct.Constant[int],
                     N_BLOCK: ct.Constant[int], MODE: ct.Constant[int],
                     HAS_SEQ: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
-                    ORDERED_LOADS: ct.Constant[bool]):
+                    ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int]):
     """(P_BLOCK, N_BLOCK) float32: sum over the positions t of end's chunk up to ``end`` (and in
-    seq_end's sequence) of (x_t dt_t 2^(S_end - S_t)) (outer) B_t."""
+    seq_end's sequence) of (x_t dt_t 2^(S_end - S_t)) (outer) B_t. LATENCY: the x and B loads'
+    latency hint (``load_transposed``)."""
     chunk = end // CHUNK
     end_local = end - chunk * CHUNK
     # The increment is a contraction over the chunk's positions, the strided axis of both x and
@@ -88,14 +89,16 @@ def chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_
         rows = chunk * rows_per_chunk + row_block
         if TRANSPOSED:
             x_rows = ct.load(x, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
-                             padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
+                             padding_mode=ZERO, latency=LATENCY if LATENCY > 0 else None
+                             ).reshape((ROW_BLOCK, P_BLOCK))
             B_cols = load_transposed(B, batch, rows, group, n_block, ROW_BLOCK, N_BLOCK,
-                                     ORDERED_LOADS)
+                                     ORDERED_LOADS, LATENCY)
         else:
             x_cols = load_transposed(x, batch, rows, head, p_block, ROW_BLOCK, P_BLOCK,
-                                     ORDERED_LOADS)
+                                     ORDERED_LOADS, LATENCY)
             B_rows = ct.load(B, (batch, rows, group, n_block), shape=(1, ROW_BLOCK, 1, N_BLOCK),
-                             padding_mode=ZERO).reshape((ROW_BLOCK, N_BLOCK))
+                             padding_mode=ZERO, latency=LATENCY if LATENCY > 0 else None
+                             ).reshape((ROW_BLOCK, N_BLOCK))
         dt_rows = ct.load(dt, (batch, head, chunk, row_block),
                           shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
         hi_rows, lo_rows = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, row_block,
@@ -128,7 +131,7 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
                        MODE: ct.Constant[int],
                        HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
                        VARLEN: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
-                       ORDERED_LOADS: ct.Constant[bool]):
+                       ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int]):
     head, p_block, n_block, rest = split_block_index(ct.bid(0), nheads, n_p_blocks, n_n_blocks)
     target = rest % ntargets
     batch = rest // ntargets
@@ -153,7 +156,7 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
         ct.store(carry_weight, (batch, head, target), weight.reshape((1, 1, 1)))
     acc = chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_block,
                           n_block, end, seq_end, hi_end, lo_end, CHUNK, ROW_BLOCK, P_BLOCK,
-                          N_BLOCK, MODE, HAS_SEQ, TRANSPOSED, ORDERED_LOADS)
+                          N_BLOCK, MODE, HAS_SEQ, TRANSPOSED, ORDERED_LOADS, LATENCY)
 
     if PER_SEQ_START:
         # seq(e) began at r = cu_seqlens[seq(e)] inside this chunk (when not carried) from its own
@@ -233,13 +236,14 @@ class ChunkStateConfig(KernelVariant):
     varlen: bool = False
     transposed: bool = False
     ordered_loads: bool = False
+    latency: int = 0          # the x and B loads' latency hint; 0: the compiler's inference
     wide: bool = False
     occupancy: int | None = None
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_block,
                 MODE[self.precision], self.has_seq, self.per_seq_start, self.varlen,
-                self.transposed, self.ordered_loads)
+                self.transposed, self.ordered_loads, self.latency)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
@@ -257,7 +261,7 @@ class ChunkStateConfig(KernelVariant):
                 f"{self.precision} seq={self.has_seq} "
                 f"per_seq_start={self.per_seq_start} varlen={self.varlen} "
                 f"transposed={self.transposed} ordered_loads={self.ordered_loads} "
-                f"int64={self.wide} occupancy={self.occupancy}")
+                f"latency={self.latency} int64={self.wide} occupancy={self.occupancy}")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from kernels import ssd
 from kernels.contract import validate
 from kernels.gpu_check import (FULL_GRID_ENV, QUICK_CASES, check_case, check_int64_case, grid,
                                int64_problem_bytes, time_ms)
-from properties.problems import DTYPES
 from properties.provenance import collect
 
 ANCHORS = ((8, 4096, 64, 64, 128, 1), (4, 8192, 32, 64, 128, 8), (1, 65536, 64, 64, 128, 1))
@@ -56,8 +55,10 @@ def _stage_times(inputs: dict, chunk_size: int, precision=None, state_dtype=None
     call = lambda: ssd.ssd_forward(**inputs, chunk_size=chunk_size, precision=precision,  # noqa: E731
                                    state_dtype=state_dtype, return_final_states=True)
     total = time_ms(call, reps=10)
-    return dict(chunk_size=chunk_size, precision=ssd.resolve_precision(precision, inputs["x"].dtype),
-                state_dtype=str(state_dtype or ssd.DEFAULT_STATE_DTYPE).replace("torch.", ""),
+    mode = ssd.resolve_precision(precision, inputs["x"].dtype)
+    stored = ssd.resolve_state_dtype(state_dtype, mode, inputs["x"].dtype)
+    return dict(chunk_size=chunk_size, precision=mode,
+                state_dtype=str(stored).replace("torch.", ""),
                 time_ms=total, bytes_min=_min_bytes(problem))
 
 
@@ -259,7 +260,7 @@ def main(argv=None) -> int:
         if "shape" in record and not record.get("traceback"):
             problem = case_.problem()
             record["time_ms"] = time_ms(lambda: ssd.ssd_forward_stages(
-                problem, state_dtype=DTYPES[case_.chunk_state_dtype], precision=case_.precision),
+                problem, state_dtype=case_.kernel_state_dtype(), precision=case_.precision),
                 reps=3)
         status = "ok" if not record.get("violations") else "FAIL " + "; ".join(record["violations"])
         ratios = {k: round(q["ratio"], 3) for k, q in record.get("quantities", {}).items()}

@@ -55,12 +55,16 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
   float32 operand in three terms against the exact 16-bit one: float32-grade states at 3 MMAs of
   a small matmul. The terms are bf16 in the bf16 split modes and for bf16 x in 'input', TF32
   otherwise (``state_precision``).
-State dtype (``state_dtype=``): chunk_states are stored in float32 by default, the better
-envelope at a small cost. bf16 halves their traffic (the largest after x and out) and saved 5-11%
-of the anchor shapes' time on the H200 (e.g. 3.41 -> 3.11 ms at (8, 4096, 64, 64, 128); measured
-with a TF32 chunk-state matmul, before it moved to the 3-term split), but rounds
-every entering state to 2^-8: chunk_states' error grows from ~2e-7 to ~1.7e-3 normwise, bf16
-outputs' by ~20% (2.05e-3 vs ~1.7e-3), and float32 outputs would lose float32 grade entirely.
+State dtype (``state_dtype=``): chunk_states are stored in x's 16-bit dtype in the 'input' mode
+(the default for bf16 x), where compute_out rounds every entering state to that dtype before its
+matmul anyway: outputs are bit-identical to float32 storage (H200, 6106f85: the three anchor
+shapes at chunk 64, 128 and 256, reports/h200/experiments/chunks_probe_6106f85.txt) and the
+states' traffic, the largest after x and out, halves. Only the stage ``ssd_forward_stages``
+hands back changes: chunk_states there are bf16-grade (~2^-9 relative) in 'input'; final_states
+and varlen_states stay float32, summed from the float32 states. In every other mode they are
+stored in float32, the better envelope; bf16 storage asked for there rounds every entering state
+to 2^-8: chunk_states' error grows from ~2e-7 to ~1.7e-3 normwise, bf16 outputs' by ~20% (2.05e-3
+vs ~1.7e-3 in 'tf32'), and float32 outputs would lose float32 grade entirely.
 
 Tiles and occupancy hints: from kernels/tuned.json where a call matches one of its keys (padded
 headdim and dstate, chunk size, x dtype, precision mode, shared scores), else the heuristics in
@@ -107,7 +111,6 @@ DEFAULT_CHUNK_SIZE = 256
 MAX_HEADDIM = 256
 MAX_DSTATE = 256
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-DEFAULT_STATE_DTYPE = torch.float32
 UNSUPPORTED_FEATURES: dict[str, str] = {}
 # Blocks the sequential state passing should have in flight: a few per SM of an H100/H200 (132).
 STATE_PASSING_MIN_BLOCKS = 4 * 132
@@ -230,6 +233,16 @@ def resolve_precision(precision: Optional[str], x_dtype: torch.dtype) -> str:
                             f"cuts both and takes any x), got it with "
                             f"{str(x_dtype).replace('torch.', '')} x")
     return precision
+
+
+def resolve_state_dtype(state_dtype: Optional[torch.dtype], mode: str,
+                        x_dtype: torch.dtype) -> torch.dtype:
+    """The stored chunk states' dtype: ``state_dtype`` when given, else x's 16-bit dtype in the
+    'input' mode, where compute_out rounds the entering states to it anyway (so no output
+    changes), else float32 (module docstring)."""
+    if state_dtype is not None:
+        return state_dtype
+    return x_dtype if mode == "input" else torch.float32
 
 
 def state_precision(mode: str, x_dtype: torch.dtype) -> str:
@@ -360,13 +373,15 @@ def _state_passing_tiles(key: ProblemKey, p_pad: int, n_pad: int,
     return p_block, n_block
 
 
-def make_plan(key: ProblemKey, state_dtype: torch.dtype = DEFAULT_STATE_DTYPE,
+def make_plan(key: ProblemKey, state_dtype: Optional[torch.dtype] = None,
               precision: Optional[str] = None) -> Plan:
     """The kernels' variants and tiles for a problem: a function of the key and, on a GPU, of the
     user's tuning cache (CI, without a GPU, compiles the variants it picks for the anchor shapes).
     Remembered per key and tuning sources: building one was a third of the host path's Python
     time (36 of ~114 us on a 2-core CPU machine, launches stubbed), which small problems pay in
     full (reports/h200/experiments/host_and_fp32_probe_c091e22.txt)."""
+    state_dtype = resolve_state_dtype(state_dtype, resolve_precision(precision, key.x_dtype),
+                                      key.x_dtype)
     return _plan(key, state_dtype, precision, tuning_sources())
 
 
@@ -477,9 +492,9 @@ def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[st
 
     varlen: compute varlen_states (default: whenever cu_seqlens is given).
     """
-    state_dtype = DEFAULT_STATE_DTYPE if state_dtype is None else state_dtype
+    state_dtype = resolve_state_dtype(state_dtype, resolve_precision(precision, problem.x.dtype),
+                                      problem.x.dtype)
     _check_supported(problem, state_dtype)
-    resolve_precision(precision, problem.x.dtype)
     require_gpu(problem.x)
     varlen = problem.cu_seqlens is not None if varlen is None else bool(varlen and
                                                                        problem.cu_seqlens is not None)
@@ -527,7 +542,7 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     Arguments as ``mamba_chunk_scan_combined`` (kernels.contract documents them). chunk_size None
     takes DEFAULT_CHUNK_SIZE; supported: 64, 128, 256. headdim and dstate up to 256. Inputs may be
     non-contiguous (the kernels read through strides). state_dtype: dtype of the stored chunk
-    states (float32 default); precision: 'auto' (default), 'ieee', '3xtf32', 'tf32', 'input',
+    states (default: x's dtype in 'input', else float32); precision: 'auto' (default), 'ieee', '3xtf32', 'tf32', 'input',
     '2xbf16' or '3xbf16'
     (see the module docstring).
     """

@@ -139,15 +139,18 @@ def log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk, start, hi_to,
 
 @ct.function
 def load_transposed(array, i0, rows, i2, cols, ROWS: ct.Constant[int], COLS: ct.Constant[int],
-                    ORDERED: ct.Constant[bool]):
+                    ORDERED: ct.Constant[bool], LATENCY: ct.Constant[int]):
     """The (1, ROWS, 1, COLS) tile of a 4-d array at tile index (i0, rows, i2, cols), as a
-    (COLS, ROWS) tile: read in transposed order by the load (ORDERED) or loaded and transposed."""
+    (COLS, ROWS) tile: read in transposed order by the load (ORDERED) or loaded and transposed.
+    LATENCY: the load's DRAM latency hint, 1 (low) to 10 (high); 0 leaves it to the compiler."""
     if ORDERED:
         t = ct.load(array, (i0, cols, i2, rows), shape=(1, COLS, 1, ROWS), order=(0, 3, 2, 1),
-                    padding_mode=ct.PaddingMode.ZERO).reshape((COLS, ROWS))
+                    padding_mode=ct.PaddingMode.ZERO,
+                    latency=LATENCY if LATENCY > 0 else None).reshape((COLS, ROWS))
     else:
         t = ct.load(array, (i0, rows, i2, cols), shape=(1, ROWS, 1, COLS),
-                    padding_mode=ct.PaddingMode.ZERO).reshape((ROWS, COLS)).transpose()
+                    padding_mode=ct.PaddingMode.ZERO,
+                    latency=LATENCY if LATENCY > 0 else None).reshape((ROWS, COLS)).transpose()
     return t
 
 

@@ -45,12 +45,17 @@ SHAPE_DTYPES = ("bfloat16", "float16", "float32")
 CANDIDATES = {
     # The three fastest chunk_state tiles at both anchors of reports/h200/tune.json (32 searched)
     # and a wider P block (the transposed orientation's MMA columns), in both orientations and
-    # load orders.
+    # load orders; at the wider block (every anchor's winner since 21181f8) also with the x and
+    # B loads' latency hint set (sm_90 cubins differ with it: the kernel is latency-bound, 17%
+    # occupancy in ncu, experiments/ncu_anchor0_6106f85.txt).
     "chunk_state": [dict(row_block=r, p_block=p, n_block=n, occupancy=o, transposed=t,
-                         ordered_loads=l)
+                         ordered_loads=l, latency=0)
                     for (r, p, n, o), t, l in itertools.product(
                         ((64, 32, 128, 2), (64, 32, 64, 2), (128, 32, 64, 2), (64, 64, 128, 2)),
-                        (False, True), (False, True))],
+                        (False, True), (False, True))]
+                   + [dict(row_block=64, p_block=64, n_block=128, occupancy=2, transposed=t,
+                           ordered_loads=l, latency=h)
+                      for t, l, h in itertools.product((False, True), (False, True), (2, 6, 10))],
     "state_passing": [dict(p_block=p, n_block=n, occupancy=o) for (p, n), o in
                       itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
                                         (None, 4, 8, 16))],

@@ -55,15 +55,15 @@ def _small(x, bc, Q, H, P, N, G, **kw) -> ProblemKey:
                       chunk_size=Q, x_dtype=x, b_dtype=b_dtype, c_dtype=c_dtype, **kw)
 
 
-# (name, key, state_dtype, precision[, knobs]); precision None = what 'auto' picks; knobs
+# (name, key, state_dtype, precision[, knobs]); None = the default (precision: what 'auto' picks); knobs
 # ({plan field: {config field: value}}) override what the dispatcher picked.
 COVERING_KEYS = (
-    ("anchor-b8-L4096-h64", _anchor(8, 4096, 64, 1), f32, None),
-    ("anchor-b4-L8192-h32-g8", _anchor(4, 8192, 32, 8), f32, None),
-    ("anchor-b1-L65536-h64", _anchor(1, 65536, 64, 1), f32, None),
+    ("anchor-b8-L4096-h64", _anchor(8, 4096, 64, 1), None, None),
+    ("anchor-b4-L8192-h32-g8", _anchor(4, 8192, 32, 8), None, None),
+    ("anchor-b1-L65536-h64", _anchor(1, 65536, 64, 1), None, None),
     ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,
-                                          softplus=True), f32, None),
-    ("int64-b1-L139264-h256", _anchor(1, 139264, 256, 1, has_d=True), f32, None),
+                                          softplus=True), None, None),
+    ("int64-b1-L139264-h256", _anchor(1, 139264, 256, 1, has_d=True), None, None),
     ("fp32-q64-ieee-all-flags", _small(f32, f32, 64, 4, 32, 16, 1, z_dtype=f32, has_d=True,
                                        has_bias=True, softplus=True, has_limit=True,
                                        start_dtype=f32, seq_dtype=i32), f32, "ieee"),

@@ -375,7 +375,8 @@ def our_contenders(problem) -> Iterator[Contender]:
 
     kwargs = problem.call_kwargs()
     precision = ssd.resolve_precision(None, problem.x.dtype)
-    info = dict(precision=precision, state_dtype=str(ssd.DEFAULT_STATE_DTYPE).replace("torch.", ""))
+    state_dtype = ssd.resolve_state_dtype(None, precision, problem.x.dtype)
+    info = dict(precision=precision, state_dtype=str(state_dtype).replace("torch.", ""))
     yield Contender(OURS, problem.chunk_size, lambda: ssd.ssd_forward(**kwargs), lambda out: out,
                     info)
 

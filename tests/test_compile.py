@@ -137,7 +137,7 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared
     problem = build_problem(spec)
     key = ssd.ProblemKey.from_problem(problem, varlen=problem.cu_seqlens is not None,
                                       wide=False)
-    plan = ssd.make_plan(key, ssd.DEFAULT_STATE_DTYPE, precision)
+    plan = ssd.make_plan(key, None, precision)
     ssd.run_stages(problem, precision=precision)
     named = plan.named_configs()
     assert len(launches) == len(named)

@@ -40,8 +40,9 @@ def test_every_entry_fits_the_kernels_it_configures():
         for stage in tune.CANDIDATES:
             tiles = entry[stage]
             # Knobs the tuner gained after an entry was written hold their config default there.
-            defaults = (dict(transposed=False, ordered_loads=False)
-                        if stage in ("compute_out", "chunk_state") else {})
+            defaults = {"compute_out": dict(transposed=False, ordered_loads=False),
+                        "chunk_state": dict(transposed=False, ordered_loads=False, latency=0),
+                        }.get(stage, {})
             assert {**defaults, **tiles} in tune.CANDIDATES[stage], f"{stage}: {tiles}"
             assert key["chunk_size"] % tiles.get("row_block", 1) == 0
             assert tiles.get("p_block", 0) <= key["headdim"] and tiles.get("n_block", 0) <= key["dstate"]
@@ -79,6 +80,22 @@ def test_scores_are_shared_from_eight_heads_per_group():
     assert not ssd.make_plan(replace(anchor_key(), nheads=32, ngroups=8)).out.shared_scores
     assert (ssd.tuning_key(anchor_key(), DEFAULT)
             != ssd.tuning_key(replace(anchor_key(), ngroups=16), DEFAULT))
+
+
+def test_chunk_states_are_stored_in_the_dtype_compute_out_rounds_them_to():
+    """'input' rounds the entering states to x's 16-bit dtype in compute_out's matmul: stored so
+    by default; every other mode stores float32, and a given state_dtype always wins."""
+    f16, f32 = torch.float16, torch.float32
+    assert ssd.resolve_state_dtype(None, "input", bf16) == bf16
+    assert ssd.resolve_state_dtype(None, "input", f16) == f16
+    for mode, x_dtype in (("tf32", bf16), ("3xbf16", bf16), ("3xtf32", f16), ("3xbf16", f32)):
+        assert ssd.resolve_state_dtype(None, mode, x_dtype) == f32
+    assert ssd.resolve_state_dtype(f32, "input", bf16) == f32
+    plan = ssd.make_plan(anchor_key())
+    assert DEFAULT == "input" and plan.state_passing.state_dtype == plan.out.state_dtype == bf16
+    plan = ssd.make_plan(anchor_key(), precision="tf32")
+    assert plan.state_passing.state_dtype == plan.out.state_dtype == f32
+    assert ssd.make_plan(anchor_key(), torch.float32).out.state_dtype == f32
 
 
 def test_a_key_without_an_entry_keeps_the_heuristics(monkeypatch):
