@@ -106,10 +106,17 @@ def fits(cand: dict, shape, chunk_size: int) -> bool:
 
 
 def with_candidate(plan: ssd.Plan, stage: str, cand: dict, precision: str | None = None) -> ssd.Plan:
+    """``plan`` with ``stage``'s config at candidate tiles (and precision mode: compute_out in
+    another mode also stores the chunk states as that mode does, ``ssd.resolve_state_dtype``)."""
     cfg = replace(getattr(plan, FIELD[stage]), **cand)
-    if precision is not None:
-        cfg = replace(cfg, precision=precision)
-    return replace(plan, **{FIELD[stage]: cfg})
+    if precision is None:
+        return replace(plan, **{FIELD[stage]: cfg})
+    cfg = replace(cfg, precision=precision)
+    if stage != "compute_out":
+        return replace(plan, **{FIELD[stage]: cfg})
+    stored = ssd.resolve_state_dtype(None, precision, plan.out.x_dtype)
+    return replace(plan, out=replace(cfg, state_dtype=stored),
+                   state_passing=replace(plan.state_passing, state_dtype=stored))
 
 
 def _pipeline(inputs: dict, chunk_size: int, plan: ssd.Plan | None = None) -> ssd.StagePipeline:
@@ -198,9 +205,12 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES),
         probes = []
         for (_, _, _, cand, precision), error in zip(tasks, pool.map(_compile_task, tasks)):
             pipeline = _pipeline(inputs, chunk_size, with_candidate(plan, stage, cand, precision))
-            ms = None if error else time_ms(_stage_call(pipeline, stage, dt, cumsum, states),
-                                            reps=7)
-            probes.append(dict(cand, precision=precision, ms=ms, error=error))
+            stored = pipeline.plan.state_passing.state_dtype
+            ms = None if error else time_ms(_stage_call(
+                pipeline, stage, dt, cumsum,
+                states if states.dtype == stored else pipeline.states(dt, cumsum)[0]), reps=7)
+            probes.append(dict(cand, precision=precision, state_dtype=str(stored), ms=ms,
+                               error=error))
             print(f"{shape} {stage} probe {precision} {cand}: {ms or error}", flush=True)
         record.setdefault("precision_probes", {})[stage] = probes
     record["default_ms"] = time_ms(_stage_call(base, "compute_out", dt, cumsum, states), reps=7) \

@@ -98,6 +98,19 @@ def test_chunk_states_are_stored_in_the_dtype_compute_out_rounds_them_to():
     assert ssd.make_plan(anchor_key(), torch.float32).out.state_dtype == f32
 
 
+def test_a_probe_of_another_mode_stores_the_chunk_states_as_that_mode_does():
+    """compute_out probed in a float32-storage mode from an 'input' search reads float32 states
+    (5b56790..79bdf52's probes read the searched mode's bf16 ones)."""
+    plan = ssd.make_plan(anchor_key())
+    probe = tune.with_candidate(plan, "compute_out", dict(row_block=128), "2xbf16")
+    assert probe.out.precision == "2xbf16" and probe.out.row_block == 128
+    assert probe.out.state_dtype == probe.state_passing.state_dtype == torch.float32
+    same = tune.with_candidate(plan, "compute_out", dict(row_block=128))
+    assert same.out.state_dtype == same.state_passing.state_dtype == bf16
+    states_probe = tune.with_candidate(plan, "chunk_state", {}, "3xtf32")
+    assert states_probe.state_passing.state_dtype == bf16
+
+
 def test_a_key_without_an_entry_keeps_the_heuristics(monkeypatch):
     tuned = ssd.make_plan(anchor_key())
     monkeypatch.setattr(ssd, "TUNED", {})
