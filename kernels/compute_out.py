@@ -37,6 +37,10 @@ these, ncu found the kernel bound by shared memory (L1/shared 61%, 46% of its wa
 bank-conflict excess; DRAM 12%, occupancy 17%; experiments/ncu_anchor1_4f66ebf.txt): TF32
 operands must be K-major on Hopper's tensor cores, so a computed or loaded tile in the other
 order is transposed through shared memory; the transposed orientation needs fewer of those.
+Reading bf16 chunk states ('input''s default since 5b56790) the first anchor's transposed tiles
+took 0.80 ms in the bench against 0.61 on float32 states; a search there
+(experiments/tune_79bdf52_compute_out.json) chose row block 64 untransposed with ordered loads,
+occupancy 2: 0.63 ms in the bench; at the second anchor bf16 states took it from 0.39 to 0.33.
 """
 from __future__ import annotations
 

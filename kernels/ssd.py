@@ -58,10 +58,15 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
 State dtype (``state_dtype=``): chunk_states are stored in x's 16-bit dtype in the 'input' mode
 (the default for bf16 x), where compute_out rounds every entering state to that dtype before its
 matmul anyway: outputs are bit-identical to float32 storage (H200, 6106f85: the three anchor
-shapes at chunk 64, 128 and 256, reports/h200/experiments/chunks_probe_6106f85.txt) and the
-states' traffic, the largest after x and out, halves. Only the stage ``ssd_forward_stages``
-hands back changes: chunk_states there are bf16-grade (~2^-9 relative) in 'input'; final_states
-and varlen_states stay float32, summed from the float32 states. In every other mode they are
+shapes at chunk 64, 128 and 256, reports/h200/experiments/chunks_probe_6106f85.txt; the
+envelope's bf16 cells' out and final_states metrics unchanged to the last digit, 79bdf52) and
+the states' traffic, the largest after x and out, halves. With the tables retuned for it the
+anchors ran 0.98x / 1.14x / 1.04x mamba_ssm's time against 0.95x / 1.01x / 1.02x with float32
+storage (benches at 79bdf52 and 2051bb9, reports/h200/experiments/bench_anchors_*): the state
+stage gained at all three, compute_out at the second (0.39 -> 0.33 ms) but not at the first.
+Only the stage ``ssd_forward_stages`` hands back changes: chunk_states there are bf16-grade
+(~2^-9 relative) in 'input'; final_states and varlen_states stay float32, summed from the
+float32 states. In every other mode they are
 stored in float32, the better envelope; bf16 storage asked for there rounds every entering state
 to 2^-8: chunk_states' error grows from ~2e-7 to ~1.7e-3 normwise, bf16 outputs' by ~20% (2.05e-3
 vs ~1.7e-3 in 'tf32'), and float32 outputs would lose float32 grade entirely.
@@ -76,14 +81,21 @@ every bf16 mode at the four fastest (each probed mode has its own entries), then
 'input' from experiments/tune_21b71eb_input.json (searched in 'input' at the first two anchors;
 the second anchor's compute_out went from 0.43 to 0.39 ms in the bench), chunk_state's from
 reports/h200/experiments/tune_21181f8_gpu{0,1}.json (its layout knobs, with the 3-term bf16
-split; ``--table-from`` merges the runs, each stage from the latest run that searched it).
+split), then with its load latency hint and bf16 chunk states from experiments/
+tune_5b56790_chunk_state.json, and the first anchor's compute_out again, reading bf16 states,
+from experiments/tune_79bdf52_compute_out.json (``--table-from`` merges the runs, each stage
+from the latest run that searched it; that run's probes of 'tf32', '2xbf16' and '3xbf16' read
+'input''s bf16 states, so those modes' compute_out tiles at the shared-scores key are
+provisional: the tuner now stores each probed mode's own).
 Other keys are untuned. A user tunes their own
 shapes with ``python3 -m kernels.tune --shape B,L,H,P,N,G[,dtype] --out DIR --cache``: the winners
 go to a per-user cache (``tuning_cache_path()``, kept per GPU model), which takes precedence over
 the table on that GPU model. Nothing is searched at call time.
 
 Chunk size: 256 by default: on the H200 the anchor shapes ran 3-8% faster than at 128 and 15-30%
-faster than at 64 (bf16, TF32 mode, same TF32 chunk-state configuration; gpu_report --sweep).
+faster than at 64 (bf16, TF32 mode, same TF32 chunk-state configuration; gpu_report --sweep);
+in 'input' with bf16 states, the tuned states stage at the first anchor takes 0.73 ms at chunk
+128 against 0.43 at 256, compute_out 0.57 against 0.63 (experiments/tune_6106f85_q128.json).
 """
 from __future__ import annotations
 
@@ -542,9 +554,8 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     Arguments as ``mamba_chunk_scan_combined`` (kernels.contract documents them). chunk_size None
     takes DEFAULT_CHUNK_SIZE; supported: 64, 128, 256. headdim and dstate up to 256. Inputs may be
     non-contiguous (the kernels read through strides). state_dtype: dtype of the stored chunk
-    states (default: x's dtype in 'input', else float32); precision: 'auto' (default), 'ieee', '3xtf32', 'tf32', 'input',
-    '2xbf16' or '3xbf16'
-    (see the module docstring).
+    states (default: x's dtype in 'input', else float32); precision: 'auto' (default), 'ieee',
+    '3xtf32', 'tf32', 'input', '2xbf16' or '3xbf16' (see the module docstring).
     """
     problem = validate(x, dt, A, B, C, DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,
                        D=D, z=z, dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,

@@ -10,8 +10,10 @@ passing at the dispatcher's choice), then over every state_passing candidate wit
 chunk_state, then compute_out over its candidates. Results and the dispatcher's own choice go to
 DIR/tune.json; ``--write-table`` also writes the winners, keyed by what the dispatcher matches on
 (padded headdim and dstate, chunk size, x dtype, precision mode), to kernels/tuned.json with
-provenance. Candidates only change tiles and hints, never what is computed; the accuracy grid
-(kernels/gpu_report.py) is run on the tuned table before it is committed. Candidates compile in
+provenance. A mode probed in compute_out stores the chunk states as that mode does (bf16 in
+'input', float32 otherwise: ``kernels.ssd.resolve_state_dtype``); ``--chunk-size`` tunes another
+chunk size (a key of its own). Candidates only change tiles and hints, never what is computed;
+the accuracy grid (kernels/gpu_report.py) is run on the tuned table before it is committed. Candidates compile in
 ``--jobs`` worker processes first (cuTile's disk cache then serves this process).
 
 A user's own shapes (``--shape``, repeatable) are tuned the same way; ``--cache`` merges their
@@ -177,7 +179,8 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES),
     states, _, _ = base.states(dt, cumsum)
     record = dict(shape=dict(zip(("batch", "seqlen", "nheads", "headdim", "dstate", "ngroups",
                                   "dtype"), shape)),
-                  chunk_size=chunk_size, dispatcher={s: asdict(getattr(base.plan, FIELD[s])) for s in CANDIDATES},
+                  chunk_size=chunk_size,
+                  dispatcher={s: asdict(getattr(base.plan, FIELD[s])) for s in CANDIDATES},
                   stages={}, best={})
     plan = base.plan
     for stage in CANDIDATES:

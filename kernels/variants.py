@@ -55,8 +55,8 @@ def _small(x, bc, Q, H, P, N, G, **kw) -> ProblemKey:
                       chunk_size=Q, x_dtype=x, b_dtype=b_dtype, c_dtype=c_dtype, **kw)
 
 
-# (name, key, state_dtype, precision[, knobs]); None = the default (precision: what 'auto' picks); knobs
-# ({plan field: {config field: value}}) override what the dispatcher picked.
+# (name, key, state_dtype, precision[, knobs]); None = the default (for precision, what 'auto'
+# picks); knobs ({plan field: {config field: value}}) override what the dispatcher picked.
 COVERING_KEYS = (
     ("anchor-b8-L4096-h64", _anchor(8, 4096, 64, 1), None, None),
     ("anchor-b4-L8192-h32-g8", _anchor(4, 8192, 32, 8), None, None),
