@@ -66,10 +66,10 @@ storage (benches at 79bdf52 and 2051bb9, reports/h200/experiments/bench_anchors_
 stage gained at all three, compute_out at the second (0.39 -> 0.33 ms) but not at the first.
 Only the stage ``ssd_forward_stages`` hands back changes: chunk_states there are bf16-grade
 (~2^-9 relative) in 'input'; final_states and varlen_states stay float32, summed from the
-float32 states. In every other mode they are
-stored in float32, the better envelope; bf16 storage asked for there rounds every entering state
-to 2^-8: chunk_states' error grows from ~2e-7 to ~1.7e-3 normwise, bf16 outputs' by ~20% (2.05e-3
-vs ~1.7e-3 in 'tf32'), and float32 outputs would lose float32 grade entirely.
+float32 states. In every other mode they are stored in float32, the better envelope; bf16
+storage asked for there rounds every entering state to 2^-8: chunk_states' error grows from
+~2e-7 to ~1.7e-3 normwise, bf16 outputs' by ~20% (2.05e-3 vs ~1.7e-3 in 'tf32'), and float32
+outputs would lose float32 grade entirely.
 
 Tiles and occupancy hints: from kernels/tuned.json where a call matches one of its keys (padded
 headdim and dstate, chunk size, x dtype, precision mode, shared scores), else the heuristics in
@@ -392,8 +392,9 @@ def make_plan(key: ProblemKey, state_dtype: Optional[torch.dtype] = None,
     Remembered per key and tuning sources: building one was a third of the host path's Python
     time (36 of ~114 us on a 2-core CPU machine, launches stubbed), which small problems pay in
     full (reports/h200/experiments/host_and_fp32_probe_c091e22.txt)."""
-    state_dtype = resolve_state_dtype(state_dtype, resolve_precision(precision, key.x_dtype),
-                                      key.x_dtype)
+    if state_dtype is None:     # stage_pipeline passes it resolved
+        state_dtype = resolve_state_dtype(None, resolve_precision(precision, key.x_dtype),
+                                          key.x_dtype)
     return _plan(key, state_dtype, precision, tuning_sources())
 
 

@@ -13,8 +13,9 @@ DIR/tune.json; ``--write-table`` also writes the winners, keyed by what the disp
 provenance. A mode probed in compute_out stores the chunk states as that mode does (bf16 in
 'input', float32 otherwise: ``kernels.ssd.resolve_state_dtype``); ``--chunk-size`` tunes another
 chunk size (a key of its own). Candidates only change tiles and hints, never what is computed;
-the accuracy grid (kernels/gpu_report.py) is run on the tuned table before it is committed. Candidates compile in
-``--jobs`` worker processes first (cuTile's disk cache then serves this process).
+the accuracy grid (kernels/gpu_report.py) is run on the tuned table before it is committed.
+Candidates compile in ``--jobs`` worker processes first (cuTile's disk cache then serves this
+process).
 
 A user's own shapes (``--shape``, repeatable) are tuned the same way; ``--cache`` merges their
 winners into the per-user tuning cache (``kernels.ssd.tuning_cache_path()``), entries kept per GPU
@@ -111,13 +112,13 @@ def with_candidate(plan: ssd.Plan, stage: str, cand: dict, precision: str | None
     """``plan`` with ``stage``'s config at candidate tiles (and precision mode: compute_out in
     another mode also stores the chunk states as that mode does, ``ssd.resolve_state_dtype``)."""
     cfg = replace(getattr(plan, FIELD[stage]), **cand)
-    if precision is None:
-        return replace(plan, **{FIELD[stage]: cfg})
-    cfg = replace(cfg, precision=precision)
-    if stage != "compute_out":
-        return replace(plan, **{FIELD[stage]: cfg})
+    if precision is not None:
+        cfg = replace(cfg, precision=precision)
+    plan = replace(plan, **{FIELD[stage]: cfg})
+    if precision is None or stage != "compute_out":
+        return plan
     stored = ssd.resolve_state_dtype(None, precision, plan.out.x_dtype)
-    return replace(plan, out=replace(cfg, state_dtype=stored),
+    return replace(plan, out=replace(plan.out, state_dtype=stored),
                    state_passing=replace(plan.state_passing, state_dtype=stored))
 
 
