@@ -255,16 +255,27 @@ def exact_answers(problem: SSDProblem) -> dict:
     return exact
 
 
+# GPU cycles (~1 ms on an H200) the stream waits before each timed call while the host queues it.
+LAUNCH_COVER_CYCLES = 2_000_000
+
+
 def time_ms(fn, reps: int = 5) -> float:
     """Median of ``reps`` CUDA-event timings of fn() after one warm-up call, each after an L2
     flush (untimed), as the benchmark times. The tuner used to time warm: at the first anchor
     it picked a compute_out tile at 0.74 against 0.88 ms (experiments/tune_21b71eb_input.json)
-    that the benchmark found no faster (0.61 ms with either)."""
+    that the benchmark found no faster (0.61 ms with either).
+
+    Each timed call is queued while the stream sleeps, so the time is the GPU's alone, not the
+    host's launch path nor a GPU idling between calls: with the other GPU's tests and compile
+    workers on the host, one compute_out tile timed 1.23 ms in one search and 0.80 in another
+    (experiments/tune_422eda8_compute_out_anchor0.json, tune_79bdf52_compute_out.json; 0.63 ms
+    in the benchmark)."""
     fn()
     times = []
     for _ in range(reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         flush_l2()
+        torch.cuda._sleep(LAUNCH_COVER_CYCLES)
         start.record()
         fn()
         stop.record()
