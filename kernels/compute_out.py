@@ -41,6 +41,12 @@ Reading bf16 chunk states ('input''s default since 5b56790) the first anchor's t
 took 0.80 ms in the bench against 0.61 on float32 states; a search there
 (experiments/tune_79bdf52_compute_out.json) chose row block 64 untransposed with ordered loads,
 occupancy 2: 0.63 ms in the bench; at the second anchor bf16 states took it from 0.39 to 0.33.
+Blocks of 2 or 4 heads of one group (every per-head tile along a leading axis, batched MMAs, so C,
+B and the scores are read once per block) were tried at 45c6102 and removed: the tuner's best, 2
+heads, took 0.65 ms in the bench at the first anchor and 0.325 at the second (one head, 79bdf52:
+0.63 and 0.33; experiments/bench_anchors_422eda8), and a batched MMA, even over one head,
+compiles to other sm_90 code than the 2-d one, slower in the tuner (the table's tile 1.08 vs 0.80
+ms; experiments/tune_1008d4f_compute_out_anchor0.json, tune_79bdf52_compute_out.json).
 """
 from __future__ import annotations
 
@@ -51,9 +57,9 @@ import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
-                              index_placeholder, index_variants, kernel_signature,
-                              load_heads_log2_cumsum, load_transposed, log2_decay_between,
-                              log2_decay_since, precise_mma, scalar_constraint)
+                              index_placeholder, index_variants, kernel_signature, load_log2_cumsum,
+                              load_transposed, log2_decay_between, log2_decay_since, precise_mma,
+                              scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -71,64 +77,19 @@ def load_transposed5(array, i0, i1, i2, rows, cols, ROWS: ct.Constant[int],
     return t
 
 
-@ct.function
-def load_heads(array, batch, rows, head_block, cols, ROWS: ct.Constant[int],
-               HEADS: ct.Constant[int], COLS: ct.Constant[int], TRANSPOSE: ct.Constant[bool],
-               ORDERED: ct.Constant[bool]):
-    """The (1, ROWS, HEADS, COLS) tile of a (b, L, H, P) array at tile index (batch, rows,
-    head_block, cols), heads first: (HEADS, ROWS, COLS), or (HEADS, COLS, ROWS) with TRANSPOSE.
-    Read in that order by the load (ORDERED), or loaded, then permuted."""
-    if ORDERED and TRANSPOSE:
-        t = ct.load(array, (batch, head_block, cols, rows), shape=(1, HEADS, COLS, ROWS),
-                    order=(0, 2, 3, 1), padding_mode=ZERO).reshape((HEADS, COLS, ROWS))
-    elif ORDERED:
-        t = ct.load(array, (batch, head_block, rows, cols), shape=(1, HEADS, ROWS, COLS),
-                    order=(0, 2, 1, 3), padding_mode=ZERO).reshape((HEADS, ROWS, COLS))
-    else:
-        t = ct.load(array, (batch, rows, head_block, cols), shape=(1, ROWS, HEADS, COLS),
-                    padding_mode=ZERO).reshape((ROWS, HEADS, COLS))
-        if TRANSPOSE:
-            t = ct.permute(t, (1, 2, 0))
-        else:
-            t = ct.permute(t, (1, 0, 2))
-    return t
-
-
-@ct.function
-def load_head_states(states, batch, chunk, head_block, p_block, HEADS: ct.Constant[int],
-                     P_BLOCK: ct.Constant[int], N_PAD: ct.Constant[int],
-                     TRANSPOSE: ct.Constant[bool], ORDERED: ct.Constant[bool]):
-    """The (HEADS, P_BLOCK, N_PAD) chunk states of heads head_block*HEADS.. (a (b, nchunks, H, P,
-    N) array), or (HEADS, N_PAD, P_BLOCK) with TRANSPOSE: read so by the load (ORDERED) or
-    loaded, then permuted."""
-    if TRANSPOSE and ORDERED:
-        t = ct.load(states, (batch, chunk, head_block, 0, p_block),
-                    shape=(1, 1, HEADS, N_PAD, P_BLOCK), order=(0, 1, 2, 4, 3),
-                    padding_mode=ZERO).reshape((HEADS, N_PAD, P_BLOCK))
-    else:
-        t = ct.load(states, (batch, chunk, head_block, p_block, 0),
-                    shape=(1, 1, HEADS, P_BLOCK, N_PAD), padding_mode=ZERO).reshape(
-                        (HEADS, P_BLOCK, N_PAD))
-        if TRANSPOSE:
-            t = ct.permute(t, (0, 2, 1))
-    return t
-
-
 def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_idx,
-                       start_states, cu_seqlens, out, seqlen, n_head_blocks, heads_per_group,
-                       n_p_blocks, CHUNK: ct.Constant[int], ROW_BLOCK: ct.Constant[int],
+                       start_states, cu_seqlens, out, seqlen, nheads, heads_per_group, n_p_blocks,
+                       CHUNK: ct.Constant[int], ROW_BLOCK: ct.Constant[int],
                        P_BLOCK: ct.Constant[int], N_PAD: ct.Constant[int],
-                       HEAD_BLOCK: ct.Constant[int], MODE: ct.Constant[int],
+                       MODE: ct.Constant[int],
                        HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
                        HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
                        TRANSPOSED: ct.Constant[bool], SHARED_SCORES: ct.Constant[bool],
                        ORDERED_LOADS: ct.Constant[bool]):
-    # Head blocks vary fastest: blocks running together share C and B rows (one group, one
-    # chunk). A block's HEAD_BLOCK heads (of one group) lie along the leading axis of every
-    # per-head tile; C, B and the scores are read once for all of them.
+    # Heads vary fastest: blocks running together share C and B rows (one group, one chunk).
     pid = ct.bid(0)
-    head_block = pid % n_head_blocks
-    rest = pid // n_head_blocks
+    head = pid % nheads
+    rest = pid // nheads
     p_block = rest % n_p_blocks
     rest = rest // n_p_blocks
     rows_per_chunk = CHUNK // ROW_BLOCK
@@ -137,11 +98,10 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
     batch = rest // nrow_blocks
     chunk = rows // rows_per_chunk
     row_block = rows % rows_per_chunk
-    group = head_block * HEAD_BLOCK // heads_per_group
+    group = head // heads_per_group
     first = chunk * CHUNK
     local_i = row_block * ROW_BLOCK + ct.arange(ROW_BLOCK, dtype=ct.int32)
-    hi_i, lo_i = load_heads_log2_cumsum(log2_decay_cumsum, batch, head_block, chunk, row_block,
-                                        HEAD_BLOCK, ROW_BLOCK)
+    hi_i, lo_i = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, row_block, ROW_BLOCK)
     if HAS_SEQ:
         seq_i = ct.load(seq_idx, (batch, rows), shape=(1, ROW_BLOCK),
                         padding_mode=ZERO).reshape((ROW_BLOCK,))
@@ -150,44 +110,42 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
 
     # Every product is an MMA whose operands are read in the order it consumes them, so no tile
     # is transposed in registers (ORDERED_LOADS; else loaded, then transposed). TRANSPOSED
-    # accumulates y^T (per head P_BLOCK x ROW_BLOCK) = h C_i^T + sum_j x_j^T W_ij^T, with the
-    # scores computed transposed (B_j C_i^T): the loaded x_j is then the MMA's left operand and
-    # the computed weights the right one, which on the H200 staged through shared memory (this
+    # accumulates y^T (P_BLOCK x ROW_BLOCK) = h C_i^T + sum_j x_j^T W_ij^T, with the scores
+    # computed transposed (B_j C_i^T): the loaded x_j is then the MMA's left operand and the
+    # computed weights the right one, which on the H200 staged through shared memory (this
     # kernel's bound) with fewer conflicts than the other way round (tf32 tuner, 1.33 vs 1.56 ms).
     if TRANSPOSED:
         C_it = load_transposed(C, batch, rows, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS, 0)
-        h = load_head_states(chunk_states, batch, chunk, head_block, p_block, HEAD_BLOCK,
-                             P_BLOCK, N_PAD, False, ORDERED_LOADS)
-        y = precise_mma(h, C_it, ct.zeros((HEAD_BLOCK, P_BLOCK, ROW_BLOCK), dtype=ct.float32),
-                        MODE, x.dtype)
+        h = ct.load(chunk_states, (batch, chunk, head, p_block, 0), shape=(1, 1, 1, P_BLOCK, N_PAD),
+                    padding_mode=ZERO).reshape((P_BLOCK, N_PAD))
+        y = precise_mma(h, C_it, ct.zeros((P_BLOCK, ROW_BLOCK), dtype=ct.float32), MODE, x.dtype)
     else:
         C_i = ct.load(C, (batch, rows, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
                       padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
-        h_t = load_head_states(chunk_states, batch, chunk, head_block, p_block, HEAD_BLOCK,
-                               P_BLOCK, N_PAD, True, ORDERED_LOADS)
-        y = precise_mma(C_i, h_t, ct.zeros((HEAD_BLOCK, ROW_BLOCK, P_BLOCK), dtype=ct.float32),
-                        MODE, x.dtype)
+        h_t = load_transposed5(chunk_states, batch, chunk, head, p_block, 0, P_BLOCK, N_PAD,
+                               ORDERED_LOADS)
+        y = precise_mma(C_i, h_t, ct.zeros((ROW_BLOCK, P_BLOCK), dtype=ct.float32), MODE, x.dtype)
     # The state entering the chunk, seen by the rows still in the sequence that entered it.
     carried_scale = exp2_nonpos(hi_i + lo_i)
     if HAS_SEQ:
-        carried_scale = ct.where(seq_i[None, :] == seq_entering, carried_scale, 0.0)
+        carried_scale = ct.where(seq_i == seq_entering, carried_scale, 0.0)
     if TRANSPOSED:
-        y = y * carried_scale[:, None, :]
+        y = y * carried_scale[None, :]
     else:
-        y = y * carried_scale[:, :, None]
+        y = y * carried_scale[:, None]
 
     for col_block in range(row_block + 1):
         cols = chunk * rows_per_chunk + col_block
         local_j = col_block * ROW_BLOCK + ct.arange(ROW_BLOCK, dtype=ct.int32)
-        hi_j, lo_j = load_heads_log2_cumsum(log2_decay_cumsum, batch, head_block, chunk,
-                                            col_block, HEAD_BLOCK, ROW_BLOCK)
-        dt_j = ct.load(dt, (batch, head_block, chunk, col_block),
-                       shape=(1, HEAD_BLOCK, 1, ROW_BLOCK)).reshape((HEAD_BLOCK, ROW_BLOCK))
+        hi_j, lo_j = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, col_block,
+                                      ROW_BLOCK)
+        dt_j = ct.load(dt, (batch, head, chunk, col_block),
+                       shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
         if HAS_SEQ:
             seq_j = ct.load(seq_idx, (batch, cols), shape=(1, ROW_BLOCK),
                             padding_mode=ZERO).reshape((ROW_BLOCK,))
         if TRANSPOSED:
-            # Indexed [head, j, i]; the scores, one tile for all the heads, [j, i].
+            # Everything indexed [j, i].
             if SHARED_SCORES:
                 s = load_transposed5(scores, batch, chunk, group, row_block, col_block, ROW_BLOCK,
                                      ROW_BLOCK, ORDERED_LOADS)
@@ -199,14 +157,13 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
             sees = local_j[:, None] <= local_i[None, :]
             if HAS_SEQ:
                 sees = sees & (seq_j[:, None] == seq_i[None, :])
-            exponent = log2_decay_between(hi_i[:, None, :], lo_i[:, None, :], hi_j[:, :, None],
-                                          lo_j[:, :, None])
-            weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[:, :, None])
-            x_jt = load_heads(x, batch, cols, head_block, p_block, ROW_BLOCK, HEAD_BLOCK,
-                              P_BLOCK, True, ORDERED_LOADS)
+            exponent = log2_decay_between(hi_i[None, :], lo_i[None, :], hi_j[:, None],
+                                          lo_j[:, None])
+            weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[:, None])
+            x_jt = load_transposed(x, batch, cols, head, p_block, ROW_BLOCK, P_BLOCK,
+                                   ORDERED_LOADS, 0)
             y = precise_mma(x_jt, weights, y, MODE, x.dtype)
         else:
-            # Indexed [head, i, j]; the scores [i, j].
             if SHARED_SCORES:
                 s = ct.load(scores, (batch, chunk, group, row_block, col_block),
                             shape=(1, 1, 1, ROW_BLOCK, ROW_BLOCK)).reshape((ROW_BLOCK, ROW_BLOCK))
@@ -218,13 +175,13 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
             sees = local_j[None, :] <= local_i[:, None]
             if HAS_SEQ:
                 sees = sees & (seq_j[None, :] == seq_i[:, None])
-            exponent = log2_decay_between(hi_i[:, :, None], lo_i[:, :, None], hi_j[:, None, :],
-                                          lo_j[:, None, :])
+            exponent = log2_decay_between(hi_i[:, None], lo_i[:, None], hi_j[None, :],
+                                          lo_j[None, :])
             # dt_j joins the weights, so x_j enters the MMA as loaded: a 16-bit x is exact in
             # TF32 and the split modes cut only the weights.
-            weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[:, None, :])
-            x_j = load_heads(x, batch, cols, head_block, p_block, ROW_BLOCK, HEAD_BLOCK, P_BLOCK,
-                             False, ORDERED_LOADS)
+            weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[None, :])
+            x_j = ct.load(x, (batch, cols, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
+                          padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
             y = precise_mma(weights, x_j, y, MODE, x.dtype)
 
     if PER_SEQ_START:
@@ -234,38 +191,39 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
         seq_hi = ct.max(ct.where(valid, seq_i, -1))
         for sequence in range(seq_lo, seq_hi + 1):
             start = ct.load(cu_seqlens, (sequence,), shape=())
-            exponent = log2_decay_since(log2_decay_cumsum, dt, A, batch, head_block, chunk,
-                                        ct.maximum(start - first, 0), hi_i, lo_i, HEAD_BLOCK)
-            scale = ct.where(seq_i[None, :] == sequence, exp2_nonpos(exponent), 0.0)
-            h0 = ct.load(start_states, (sequence, head_block, p_block, 0),
-                         shape=(1, HEAD_BLOCK, P_BLOCK, N_PAD), padding_mode=ZERO).reshape(
-                             (HEAD_BLOCK, P_BLOCK, N_PAD))
+            exponent = log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk,
+                                        ct.maximum(start - first, 0), hi_i, lo_i)
+            scale = ct.where(seq_i == sequence, exp2_nonpos(exponent), 0.0)
             if TRANSPOSED:
-                from_start = precise_mma(h0, C_it, ct.zeros((HEAD_BLOCK, P_BLOCK, ROW_BLOCK),
+                h0 = ct.load(start_states, (sequence, head, p_block, 0),
+                             shape=(1, 1, P_BLOCK, N_PAD), padding_mode=ZERO).reshape(
+                                 (P_BLOCK, N_PAD))
+                from_start = precise_mma(h0, C_it, ct.zeros((P_BLOCK, ROW_BLOCK),
                                                             dtype=ct.float32), MODE, x.dtype)
-                y = y + from_start * scale[:, None, :]
+                y = y + from_start * scale[None, :]
             else:
-                from_start = precise_mma(C_i, ct.permute(h0, (0, 2, 1)),
-                                         ct.zeros((HEAD_BLOCK, ROW_BLOCK, P_BLOCK),
-                                                  dtype=ct.float32), MODE, x.dtype)
-                y = y + from_start * scale[:, :, None]
+                h0_t = ct.load(start_states, (sequence, head, p_block, 0),
+                               shape=(1, 1, P_BLOCK, N_PAD), padding_mode=ZERO).reshape(
+                                   (P_BLOCK, N_PAD)).transpose()
+                from_start = precise_mma(C_i, h0_t, ct.zeros((ROW_BLOCK, P_BLOCK),
+                                                             dtype=ct.float32), MODE, x.dtype)
+                y = y + from_start * scale[:, None]
     if TRANSPOSED:
-        y = ct.permute(y, (0, 2, 1))
+        y = y.transpose()
 
-    # From here [head, i, p].
     if HAS_D or HAS_Z:
-        x_i = load_heads(x, batch, rows, head_block, p_block, ROW_BLOCK, HEAD_BLOCK, P_BLOCK,
-                         False, ORDERED_LOADS).astype(ct.float32)
+        x_i = ct.load(x, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
+                      padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK)).astype(ct.float32)
     if HAS_D:
-        d = ct.load(D, (head_block, p_block), shape=(HEAD_BLOCK, P_BLOCK), padding_mode=ZERO)
-        y = y + d[:, None, :] * x_i
+        d = ct.load(D, (head, p_block), shape=(1, P_BLOCK), padding_mode=ZERO)
+        y = y + d * x_i
     if HAS_Z:
-        z_i = load_heads(z, batch, rows, head_block, p_block, ROW_BLOCK, HEAD_BLOCK, P_BLOCK,
-                         False, ORDERED_LOADS).astype(ct.float32)
+        z_i = ct.load(z, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
+                      padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK)).astype(ct.float32)
         # z sigmoid(z) = z / (1 + e^-z): e^-z = inf for very negative z gives z / inf = -0.
         y = y * (z_i / (1.0 + ct.exp(-z_i)))
-    ct.store(out, (batch, head_block, rows, p_block),
-             y.reshape((1, HEAD_BLOCK, ROW_BLOCK, P_BLOCK)).astype(out.dtype), order=(0, 2, 1, 3))
+    ct.store(out, (batch, rows, head, p_block),
+             y.reshape((1, ROW_BLOCK, 1, P_BLOCK)).astype(out.dtype))
 
 
 # x, z, out (and B, C, the states) can pass 2^31 elements: 64-bit indexing in the wide variant.
@@ -289,7 +247,6 @@ class ComputeOutConfig(KernelVariant):
     row_block: int = 64
     p_block: int = 64
     n_pad: int = 64
-    head_block: int = 1
     precision: str = "3xtf32"
     has_d: bool = False
     has_z: bool = False
@@ -302,7 +259,7 @@ class ComputeOutConfig(KernelVariant):
     occupancy: int | None = None
 
     def constants(self) -> tuple:
-        return (self.chunk_size, self.row_block, self.p_block, self.n_pad, self.head_block,
+        return (self.chunk_size, self.row_block, self.p_block, self.n_pad,
                 MODE[self.precision], self.has_d, self.has_z, self.has_seq, self.per_seq_start,
                 self.transposed, self.shared_scores, self.ordered_loads)
 
@@ -321,7 +278,7 @@ class ComputeOutConfig(KernelVariant):
     def describe(self) -> str:
         return (f"compute_out x={self.x_dtype} B={self.b_dtype} C={self.c_dtype} z={self.z_dtype} "
                 f"states={self.state_dtype} Q={self.chunk_size} RB={self.row_block} "
-                f"PB={self.p_block} N={self.n_pad} HB={self.head_block} {self.precision} "
+                f"PB={self.p_block} N={self.n_pad} {self.precision} "
                 f"D={self.has_d} z={self.has_z} seq={self.has_seq} "
                 f"per_seq_start={self.per_seq_start} transposed={self.transposed} "
                 f"shared_scores={self.shared_scores} ordered_loads={self.ordered_loads} "
@@ -351,10 +308,6 @@ def compute_out(inp: OutInputs, cfg: ComputeOutConfig) -> torch.Tensor:
     """out (b, L, H, P) in x's dtype; see the module docstring. With ``cfg.shared_scores`` the
     stage is two launches: kernels/chunk_scores.py, then this kernel reading its scores."""
     b, L, H, P = inp.x.shape
-    heads_per_group = H // inp.B.shape[2]
-    if heads_per_group % cfg.head_block:
-        raise ValueError(f"compute_out: head_block must divide the heads per group "
-                         f"({heads_per_group}), got {cfg.head_block}")
     out = torch.empty(b, L, H, P, device=inp.x.device, dtype=inp.x.dtype)
     nchunks = -(-L // cfg.chunk_size)
     npb = -(-P // cfg.p_block)
@@ -370,7 +323,6 @@ def compute_out(inp: OutInputs, cfg: ComputeOutConfig) -> torch.Tensor:
             inp.seq_idx if inp.seq_idx is not None else index_placeholder(out.device).view(1, 1),
             inp.start_states if inp.start_states is not None else placeholder.view(1, 1, 1, 1),
             inp.cu_seqlens if inp.cu_seqlens is not None else index_placeholder(out.device),
-            out, L, H // cfg.head_block, heads_per_group, npb, *cfg.constants())
-    ct.launch(torch.cuda.current_stream(), (b * nrow_blocks * npb * H // cfg.head_block,),
-              cfg.kernel, args)
+            out, L, H, H // inp.B.shape[2], npb, *cfg.constants())
+    ct.launch(torch.cuda.current_stream(), (b * nrow_blocks * npb * H,), cfg.kernel, args)
     return out

@@ -166,8 +166,7 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
         # H0, decayed from just before r.
         start = ct.load(cu_seqlens, (seq_end,), shape=())
         exponent = log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk,
-                                    ct.maximum(start - first, 0), hi_end, lo_end,
-                                    1).reshape(())
+                                    ct.maximum(start - first, 0), hi_end, lo_end)
         h0 = ct.load(start_states, (seq_end, head, p_block, n_block),
                      shape=(1, 1, P_BLOCK, N_BLOCK), padding_mode=ZERO).reshape((P_BLOCK, N_BLOCK))
         acc = acc + h0.astype(ct.float32) * ct.where(carried, 0.0, exp2_nonpos(exponent))

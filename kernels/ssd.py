@@ -439,17 +439,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
         has_d=key.has_d, has_z=key.z_dtype is not None, has_seq=has_seq,
         per_seq_start=key.per_seq_start, shared_scores=shares_scores(key), wide=wide)
     out = replace(out, **tuned.get("compute_out", {}))
-    out = replace(out, head_block=heads_dividing(key.nheads // key.ngroups, out.head_block))
     return Plan(cumsum, chunk_state, passing, out)
-
-
-def heads_dividing(heads_per_group: int, wanted: int) -> int:
-    """The largest power of two up to ``wanted`` that divides ``heads_per_group``: a tuned
-    compute_out head block fitted to a problem's groups (a block's heads share one group)."""
-    block = 1
-    while block * 2 <= wanted and heads_per_group % (block * 2) == 0:
-        block *= 2
-    return block
 
 
 def _check_supported(problem: SSDProblem, state_dtype) -> None:

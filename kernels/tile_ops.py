@@ -103,21 +103,10 @@ def two_sum_add(hi1, lo1, hi2, lo2):
 
 
 @ct.function
-def load_heads_log2_cumsum(log2_decay_cumsum, batch, head_block, chunk, block,
-                           HEADS: ct.Constant[int], SIZE: ct.Constant[int]):
-    """(hi, lo), each (HEADS, SIZE): the compensated cumsum of positions block*SIZE.. of a chunk
-    for heads head_block*HEADS.."""
-    hi = ct.load(log2_decay_cumsum, (batch, head_block, chunk, 0, block),
-                 shape=(1, HEADS, 1, 1, SIZE))
-    lo = ct.load(log2_decay_cumsum, (batch, head_block, chunk, 1, block),
-                 shape=(1, HEADS, 1, 1, SIZE))
-    return hi.reshape((HEADS, SIZE)), lo.reshape((HEADS, SIZE))
-
-
-@ct.function
 def load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, block, SIZE: ct.Constant[int]):
     """(hi, lo), each (SIZE,): the compensated cumsum of positions block*SIZE.. of a chunk."""
-    hi, lo = load_heads_log2_cumsum(log2_decay_cumsum, batch, head, chunk, block, 1, SIZE)
+    hi = ct.load(log2_decay_cumsum, (batch, head, chunk, 0, block), shape=(1, 1, 1, 1, SIZE))
+    lo = ct.load(log2_decay_cumsum, (batch, head, chunk, 1, block), shape=(1, 1, 1, 1, SIZE))
     return hi.reshape((SIZE,)), lo.reshape((SIZE,))
 
 
@@ -137,18 +126,14 @@ def log2_decay_between(hi_to, lo_to, hi_from, lo_from):
 
 
 @ct.function
-def log2_decay_since(log2_decay_cumsum, dt, A, batch, head_block, chunk, start, hi_to, lo_to,
-                     HEADS: ct.Constant[int]):
+def log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk, start, hi_to, lo_to):
     """The log2 decay from just before chunk-local position ``start`` to the position whose
-    cumsum is (hi_to, lo_to), for heads head_block*HEADS.. (their values along a leading axis,
-    (HEADS, 1) broadcast against hi_to): (S_to - S_start) + dt_start * A * log2(e). The step at
-    ``start`` is recomputed exactly as chunk_cumsum summed it, not taken as S_start -
-    S_(start-1), which would add a rounding of that difference."""
-    hi_start, lo_start = load_heads_log2_cumsum(log2_decay_cumsum, batch, head_block, chunk,
-                                                start, HEADS, 1)
-    step = ct.load(dt, (batch, head_block, chunk, start), shape=(1, HEADS, 1, 1)).reshape(
-        (HEADS, 1))
-    a = ct.load(A, (head_block,), shape=(HEADS,)).reshape((HEADS, 1))
+    cumsum is (hi_to, lo_to): (S_to - S_start) + dt_start * A * log2(e). The step at ``start`` is
+    recomputed exactly as chunk_cumsum summed it, not taken as S_start - S_(start-1), which would
+    add a rounding of that difference."""
+    hi_start, lo_start = log2_cumsum_at(log2_decay_cumsum, batch, head, chunk, start)
+    step = ct.load(dt, (batch, head, chunk, start), shape=(1, 1, 1, 1)).reshape(())
+    a = ct.load(A, (head,), shape=())
     return log2_decay_between(hi_to, lo_to, hi_start, lo_start) + step * (a * LOG2_E)
 
 

@@ -63,18 +63,11 @@ CANDIDATES = {
                       itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
                                         (None, 4, 8, 16))],
     # Occupancy 2 or 4 won every compute_out search so far (reports/h200/tune.json,
-    # experiments/tune_322c7d5.json): the layout knobs get the room instead. Blocks of 2 or 4
-    # heads read each C, B or scores tile once for all of them (at twice or four times the
-    # registers, hence occupancy 1 too).
-    "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, ordered_loads=l,
-                         head_block=1)
+    # experiments/tune_322c7d5.json): the layout knobs get the room instead.
+    "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, ordered_loads=l)
                     for (r, p, o), t, l in itertools.product(
                         ((64, 64, 2), (64, 64, 4), (64, 32, 4), (128, 64, 2)),
-                        (False, True), (False, True))]
-                   + [dict(row_block=64, p_block=64, occupancy=o, transposed=t, ordered_loads=l,
-                           head_block=h)
-                      for h, o, t, l in itertools.product((2, 4), (1, 2), (False, True),
-                                                          (False, True))],
+                        (False, True), (False, True))],
 }
 PROBED_CANDIDATES = 4
 FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
@@ -108,12 +101,11 @@ def shape_inputs(shape, seqlen=None) -> dict:
 
 
 def fits(cand: dict, shape, chunk_size: int) -> bool:
-    """A candidate's tiles divide the chunk and do not exceed the padded headdim and dstate; its
-    head block divides the heads per group."""
-    _, _, H, P, N, G, _ = shape
+    """A candidate's tiles divide the chunk and do not exceed the padded headdim and dstate."""
+    _, _, _, P, N, _, _ = shape
     p_pad, n_pad = (max(ssd.MIN_TILE, next_pow2(v)) for v in (P, N))
     return (cand.get("row_block", 0) <= chunk_size and cand.get("p_block", 0) <= p_pad
-            and cand.get("n_block", 0) <= n_pad and (H // G) % cand.get("head_block", 1) == 0)
+            and cand.get("n_block", 0) <= n_pad)
 
 
 def with_candidate(plan: ssd.Plan, stage: str, cand: dict, precision: str | None = None) -> ssd.Plan:

@@ -105,8 +105,7 @@ def _grid(name: str, cfg, problem) -> tuple:
     if name == "chunk_scores":
         return (b * nchunks * (cfg.chunk_size // cfg.row_block) * problem.ngroups,)
     if name == "compute_out":
-        return (b * nchunks * (cfg.chunk_size // cfg.row_block) * (H // cfg.head_block)
-                * math.ceil(P / cfg.p_block),)
+        return (b * nchunks * (cfg.chunk_size // cfg.row_block) * H * math.ceil(P / cfg.p_block),)
     per_row = H * math.ceil(P / cfg.p_block) * math.ceil(N / cfg.n_block)
     return ((nchunks + nseq) * b * per_row,) if name == "chunk_state" else (b * per_row,)
 
@@ -124,12 +123,8 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared
 
     def plan_with_knob(*args, **kwargs):
         plan = make_plan(*args, **kwargs)
-        # With shared scores also two heads per block where the groups allow it.
-        heads_per_group = problem.nheads // problem.ngroups
         return replace(plan, out=replace(plan.out, shared_scores=shared_scores,
-                                         ordered_loads=shared_scores,
-                                         head_block=2 if shared_scores and heads_per_group % 2 == 0
-                                         else 1))
+                                         ordered_loads=shared_scores))
 
     def fake_launch(stream, grid, kernel, args):
         launches.append((grid, kernel, args))

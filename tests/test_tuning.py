@@ -40,7 +40,7 @@ def test_every_entry_fits_the_kernels_it_configures():
         for stage in tune.CANDIDATES:
             tiles = entry[stage]
             # Knobs the tuner gained after an entry was written hold their config default there.
-            defaults = {"compute_out": dict(transposed=False, ordered_loads=False, head_block=1),
+            defaults = {"compute_out": dict(transposed=False, ordered_loads=False),
                         "chunk_state": dict(transposed=False, ordered_loads=False, latency=0),
                         }.get(stage, {})
             assert {**defaults, **tiles} in tune.CANDIDATES[stage], f"{stage}: {tiles}"
@@ -58,10 +58,10 @@ def test_the_dispatcher_takes_the_table_entry_of_its_key(index):
     entry = list(ssd.TUNED.values())[index]
     key = entry["key"]
     dtype = getattr(torch, key["x_dtype"])
-    # 64 heads in 1 group share their scores, 16 groups of 4 do not (and fit head blocks of 4).
+    # 64 heads in 1 group share their scores, 64 groups of 1 do not.
     problem = replace(anchor_key(), headdim=key["headdim"], dstate=key["dstate"],
                       chunk_size=key["chunk_size"], x_dtype=dtype, b_dtype=dtype, c_dtype=dtype,
-                      ngroups=1 if key["shared_scores"] else 16)
+                      ngroups=1 if key["shared_scores"] else 64)
     plan = ssd.make_plan(problem, precision=key["precision"])
     assert plan.out.shared_scores == key["shared_scores"]
     for stage, field in tune.FIELD.items():
@@ -235,20 +235,6 @@ def test_tuner_candidates_respect_the_problem_sizes():
     assert not tune.fits(dict(row_block=64, p_block=32, n_block=32), small, 256)
     assert not tune.fits(dict(row_block=512), small, 256)
     assert not tune.fits(dict(row_block=128, p_block=32, n_block=16), small, 64)
-    assert tune.fits(dict(head_block=4), small, 256)
-    assert not tune.fits(dict(head_block=2), (1, 512, 4, 32, 16, 4, "bfloat16"), 256)
-
-
-def test_a_tuned_head_block_shrinks_to_fit_the_heads_per_group(monkeypatch):
-    """compute_out's heads in a block share a group: a table's head block becomes the largest
-    power of two up to it that divides the problem's heads per group."""
-    assert [ssd.heads_dividing(hpg, 4) for hpg in (1, 2, 3, 4, 6, 8, 64)] == [1, 2, 1, 4, 2, 4, 4]
-    assert ssd.heads_dividing(64, 1) == 1
-    keys = [replace(anchor_key(), nheads=8, ngroups=4), replace(anchor_key(), nheads=64, ngroups=1)]
-    monkeypatch.setattr(ssd, "TUNED", {
-        json.dumps(ssd.tuning_key(key, DEFAULT), sort_keys=True): {"compute_out": {"head_block": 4}}
-        for key in keys})
-    assert [ssd.make_plan(key).out.head_block for key in keys] == [2, 4]
 
 
 def test_tune_needs_an_output_folder_or_a_saved_run():
