@@ -86,8 +86,12 @@ tune_5b56790_chunk_state.json, and the first anchor's compute_out again, reading
 from experiments/tune_79bdf52_compute_out.json (``--table-from`` merges the runs, each stage
 from the latest run that searched it; that run's probes of 'tf32', '2xbf16' and '3xbf16' read
 'input''s bf16 states, so those modes' compute_out tiles at the shared-scores key are
-provisional: the tuner now stores each probed mode's own).
-Other keys are untuned. A user tunes their own
+provisional: the tuner now stores each probed mode's own). Two variant keys in 'input' (and
+their probed modes) come from searches at (8, 4096, 64 heads): headdim 128 (chunk_state from
+experiments/tune_1008d4f_headdim128.json, compute_out from tune_96d9c8b_headdim128_compute_out.json;
+the bench went from 4.14 to 2.14 ms, 0.41x -> 0.80x mamba_ssm) and dstate 64
+(tune_96d9c8b_dstate64_{chunk_state,compute_out}.json; 0.82x mamba_ssm in the bench,
+experiments/bench_variants_96d9c8b). Other keys are untuned. A user tunes their own
 shapes with ``python3 -m kernels.tune --shape B,L,H,P,N,G[,dtype] --out DIR --cache``: the winners
 go to a per-user cache (``tuning_cache_path()``, kept per GPU model), which takes precedence over
 the table on that GPU model. Nothing is searched at call time.

@@ -316,7 +316,8 @@ class KernelVariant:
 
 
 def array_constraint(dtype: torch.dtype, ndim: int, wide: bool = False) -> ArrayConstraint:
-    """What the JIT assumes of a contiguous torch tensor: unit last stride, 16-byte base."""
+    """What the JIT assumes of any contiguous torch tensor: unit last stride, 16-byte base (it
+    also specializes on the divisibility of a call's strides and extents: kernels/variants.py)."""
     return ArrayConstraint(CT_DTYPE[dtype], ndim, index_dtype=ct.int64 if wide else ct.int32,
                            stride_lower_bound_incl=0, alias_groups=(), may_alias_internally=False,
                            stride_constant=(None,) * (ndim - 1) + (1,), base_addr_divisible_by=16)

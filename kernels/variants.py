@@ -1,7 +1,7 @@
 """The kernel variants CI compiles without a GPU, and the compiler driver.
 
 The covering set is a list of problem recipes (``COVERING_KEYS``) run through the dispatcher
-(``kernels.ssd.make_plan``), so CI compiles exactly the variants real calls launch: the anchor
+(``kernels.ssd.make_plan``), so CI compiles the kernel configs real calls launch: the anchor
 shapes in bf16 (plain and as a Mamba-2 layer calls them), the >2^31-element case, and small recipes
 chosen so that every dtype, chunk size, headdim, dstate, precision mode and feature flag appears at
 least once, several pairwise. Each variant is compiled for sm_80, sm_90 and sm_100 from the
@@ -9,6 +9,13 @@ bytecode ``cuda.tile.compilation.export_kernel`` writes for its hand-written ``K
 by tileiras with cuTile's own flags (-O3 --lineinfo); on sm_90 tileiras also reports where each
 MMA landed (``--remarks=tensorcore``): a variant whose precision mode promises tensor cores fails
 if any of its MMAs falls back to FMA.
+
+The signatures declare what every contiguous tensor guarantees (``tile_ops.array_constraint``),
+not the stride and shape divisibility the JIT also reads off a call's tensors (the H200's kernel
+names, e.g. in experiments/ncu_anchor0_6106f85.txt: 16-byte strides, extents divisible by 16,
+unit extents), so a launched cubin can differ from CI's in that: CI's sm_90 compute_out and
+chunk_state load without TMA (``--remarks=memory``: "stride not 16-byte aligned"), where the same
+kernels compiled with 16-byte strides declared select TMA loads.
 
     python3 -m kernels.variants [--target sm_90 ...] [--jobs 2] [--list] [--out DIR]
 """
