@@ -47,6 +47,13 @@ heads, took 0.65 ms in the bench at the first anchor and 0.325 at the second (on
 0.63 and 0.33; experiments/bench_anchors_422eda8), and a batched MMA, even over one head,
 compiles to other sm_90 code than the 2-d one, slower in the tuner (the table's tile 1.08 vs 0.80
 ms; experiments/tune_1008d4f_compute_out_anchor0.json, tune_79bdf52_compute_out.json).
+Factoring the decay of the blocks off the diagonal through the row block's start (2^(S_i - S_j) =
+2^(S_i - S_(f-1)) 2^(S_(f-1) - S_j), both factors <= 1: one multiply per score instead of the
+pairwise exponent, mask and exp2) was tried at a190f60 and removed. Timed in one process beside
+this kernel (experiments/ab_compute_out_a190f60.txt; one to three tiles per shape), the best of
+each, 0.717 vs 0.689 ms at the first anchor, 1.429 vs 1.408 at the third, 4.10 vs 3.11 in
+'3xbf16' on float32 x; only at the second anchor was it ahead (0.356 vs 0.373 ms). The
+elementwise work it saves is not what bounds this kernel.
 """
 from __future__ import annotations
 
@@ -58,7 +65,6 @@ import torch
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
                               index_placeholder, index_variants, kernel_signature, load_log2_cumsum,
-                              log2_cumsum_at,
                               load_transposed, log2_decay_between, log2_decay_since, precise_mma,
                               scalar_constraint)
 
@@ -76,78 +82,6 @@ def load_transposed5(array, i0, i1, i2, rows, cols, ROWS: ct.Constant[int],
         t = ct.load(array, (i0, i1, i2, rows, cols), shape=(1, 1, 1, ROWS, COLS),
                     padding_mode=ZERO).reshape((ROWS, COLS)).transpose()
     return t
-
-
-@ct.function
-def along_rows(v, TRANSPOSED: ct.Constant[bool]):
-    """A vector over the output positions i, broadcast along the accumulator's i axis (its rows,
-    its columns TRANSPOSED)."""
-    if TRANSPOSED:
-        t = v[None, :]
-    else:
-        t = v[:, None]
-    return t
-
-
-@ct.function
-def along_cols(v, TRANSPOSED: ct.Constant[bool]):
-    """A vector over the summed positions j, broadcast along the weights' j axis."""
-    if TRANSPOSED:
-        t = v[:, None]
-    else:
-        t = v[None, :]
-    return t
-
-
-@ct.function
-def column_block(x, B, scores, dt, log2_decay_cumsum, seq_idx, C_op, batch, chunk, head, group,
-                 p_block, row_block, col_block, rows_per_chunk, ROW_BLOCK: ct.Constant[int],
-                 P_BLOCK: ct.Constant[int], N_PAD: ct.Constant[int], MODE: ct.Constant[int],
-                 HAS_SEQ: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
-                 SHARED_SCORES: ct.Constant[bool], ORDERED_LOADS: ct.Constant[bool]):
-    """(scores, x_j, dt_j, hi_j, lo_j, seq_j) of column block ``col_block`` of the chunk: the
-    scores C_i . B_j laid out [i, j] ([j, i] TRANSPOSED), x_j as the MMA takes it (x_j^T
-    TRANSPOSED), and its positions' dt, compensated cumsum and sequence index (with HAS_SEQ)."""
-    cols = chunk * rows_per_chunk + col_block
-    hi_j, lo_j = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, col_block, ROW_BLOCK)
-    dt_j = ct.load(dt, (batch, head, chunk, col_block),
-                   shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
-    if HAS_SEQ:
-        seq_j = ct.load(seq_idx, (batch, cols), shape=(1, ROW_BLOCK),
-                        padding_mode=ZERO).reshape((ROW_BLOCK,))
-    else:
-        seq_j = dt_j    # unread
-    if TRANSPOSED:
-        if SHARED_SCORES:
-            s = load_transposed5(scores, batch, chunk, group, row_block, col_block, ROW_BLOCK,
-                                 ROW_BLOCK, ORDERED_LOADS)
-        else:
-            B_j = ct.load(B, (batch, cols, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
-                          padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
-            s = precise_mma(B_j, C_op, ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32), MODE,
-                            x.dtype)
-        x_j = load_transposed(x, batch, cols, head, p_block, ROW_BLOCK, P_BLOCK, ORDERED_LOADS, 0)
-    else:
-        if SHARED_SCORES:
-            s = ct.load(scores, (batch, chunk, group, row_block, col_block),
-                        shape=(1, 1, 1, ROW_BLOCK, ROW_BLOCK)).reshape((ROW_BLOCK, ROW_BLOCK))
-        else:
-            B_jt = load_transposed(B, batch, cols, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS, 0)
-            s = precise_mma(C_op, B_jt, ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32), MODE,
-                            x.dtype)
-        x_j = ct.load(x, (batch, cols, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
-                      padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
-    return s, x_j, dt_j, hi_j, lo_j, seq_j
-
-
-@ct.function
-def accumulate(weights, x_j, y, MODE: ct.Constant[int], TRANSPOSED: ct.Constant[bool]):
-    """y + weights @ x_j (y^T + x_j^T @ weights^T TRANSPOSED, each operand as laid out)."""
-    if TRANSPOSED:
-        y = precise_mma(x_j, weights, y, MODE, x_j.dtype)
-    else:
-        y = precise_mma(weights, x_j, y, MODE, x_j.dtype)
-    return y
 
 
 def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_idx,
@@ -187,63 +121,75 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
     # computed transposed (B_j C_i^T): the loaded x_j is then the MMA's left operand and the
     # computed weights the right one, which on the H200 staged through shared memory (this
     # kernel's bound) with fewer conflicts than the other way round (tf32 tuner, 1.33 vs 1.56 ms).
-    # C_op: C_i (ROW_BLOCK x N_PAD), or C_i^T TRANSPOSED.
     if TRANSPOSED:
-        C_op = load_transposed(C, batch, rows, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS, 0)
+        C_it = load_transposed(C, batch, rows, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS, 0)
         h = ct.load(chunk_states, (batch, chunk, head, p_block, 0), shape=(1, 1, 1, P_BLOCK, N_PAD),
                     padding_mode=ZERO).reshape((P_BLOCK, N_PAD))
-        y = precise_mma(h, C_op, ct.zeros((P_BLOCK, ROW_BLOCK), dtype=ct.float32), MODE, x.dtype)
+        y = precise_mma(h, C_it, ct.zeros((P_BLOCK, ROW_BLOCK), dtype=ct.float32), MODE, x.dtype)
     else:
-        C_op = ct.load(C, (batch, rows, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
-                       padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
+        C_i = ct.load(C, (batch, rows, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
+                      padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
         h_t = load_transposed5(chunk_states, batch, chunk, head, p_block, 0, P_BLOCK, N_PAD,
                                ORDERED_LOADS)
-        y = precise_mma(C_op, h_t, ct.zeros((ROW_BLOCK, P_BLOCK), dtype=ct.float32), MODE, x.dtype)
-    # Off the diagonal (every j before the row block's first position f) the decay factors
-    # through f - 1: 2^(S_i - S_j) = 2^(S_i - S_(f-1)) 2^(S_(f-1) - S_j), both factors <= 1, so
-    # no product overflows and one that underflows is below 2^-126 of the true weight's scale.
-    # The per-column factor joins dt_j in the weights (one multiply per score, where the diagonal
-    # block needs the pairwise exponent, its mask and an exp2); the per-row one scales the
-    # accumulator once after those blocks, and with it the carried term's 2^(S_i) =
-    # 2^(S_i - S_(f-1)) 2^(S_(f-1)) (S_(-1) = 0: the chunk's start).
-    hi_ref, lo_ref = log2_cumsum_at(log2_decay_cumsum, batch, head, chunk,
-                                    ct.maximum(row_block * ROW_BLOCK - 1, 0))
-    hi_ref = ct.where(row_block > 0, hi_ref, 0.0)
-    lo_ref = ct.where(row_block > 0, lo_ref, 0.0)
+        y = precise_mma(C_i, h_t, ct.zeros((ROW_BLOCK, P_BLOCK), dtype=ct.float32), MODE, x.dtype)
     # The state entering the chunk, seen by the rows still in the sequence that entered it.
-    carried_scale = ct.full((ROW_BLOCK,), 1.0, dtype=ct.float32) * exp2_nonpos(hi_ref + lo_ref)
+    carried_scale = exp2_nonpos(hi_i + lo_i)
     if HAS_SEQ:
         carried_scale = ct.where(seq_i == seq_entering, carried_scale, 0.0)
-    y = y * along_rows(carried_scale, TRANSPOSED)
+    if TRANSPOSED:
+        y = y * carried_scale[None, :]
+    else:
+        y = y * carried_scale[:, None]
 
-    for col_block in range(row_block):
-        s, x_j, dt_j, hi_j, lo_j, seq_j = column_block(
-            x, B, scores, dt, log2_decay_cumsum, seq_idx, C_op, batch, chunk, head, group,
-            p_block, row_block, col_block, rows_per_chunk, ROW_BLOCK, P_BLOCK, N_PAD, MODE,
-            HAS_SEQ, TRANSPOSED, SHARED_SCORES, ORDERED_LOADS)
-        col_scale = dt_j * exp2_nonpos(log2_decay_between(hi_ref, lo_ref, hi_j, lo_j))
-        weights = s * along_cols(col_scale, TRANSPOSED)
+    for col_block in range(row_block + 1):
+        cols = chunk * rows_per_chunk + col_block
+        local_j = col_block * ROW_BLOCK + ct.arange(ROW_BLOCK, dtype=ct.int32)
+        hi_j, lo_j = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, col_block,
+                                      ROW_BLOCK)
+        dt_j = ct.load(dt, (batch, head, chunk, col_block),
+                       shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
         if HAS_SEQ:
-            weights = ct.where(along_cols(seq_j, TRANSPOSED) == along_rows(seq_i, TRANSPOSED),
-                               weights, 0.0)
-        y = accumulate(weights, x_j, y, MODE, TRANSPOSED)
-    y = y * along_rows(exp2_nonpos(log2_decay_between(hi_i, lo_i, hi_ref, lo_ref)), TRANSPOSED)
-
-    # The diagonal block: j <= i, each weight's own exponent, masked before exp2 (a masked entry
-    # is 0, never inf * 0).
-    s, x_j, dt_j, hi_j, lo_j, seq_j = column_block(
-        x, B, scores, dt, log2_decay_cumsum, seq_idx, C_op, batch, chunk, head, group, p_block,
-        row_block, row_block, rows_per_chunk, ROW_BLOCK, P_BLOCK, N_PAD, MODE, HAS_SEQ,
-        TRANSPOSED, SHARED_SCORES, ORDERED_LOADS)
-    sees = along_cols(local_i, TRANSPOSED) <= along_rows(local_i, TRANSPOSED)
-    if HAS_SEQ:
-        sees = sees & (along_cols(seq_j, TRANSPOSED) == along_rows(seq_i, TRANSPOSED))
-    pairwise = log2_decay_between(along_rows(hi_i, TRANSPOSED), along_rows(lo_i, TRANSPOSED),
-                                  along_cols(hi_j, TRANSPOSED), along_cols(lo_j, TRANSPOSED))
-    # dt_j joins the weights, so x_j enters the MMA as loaded: a 16-bit x is exact in TF32 and
-    # the split modes cut only the weights.
-    weights = s * (ct.where(sees, exp2_nonpos(pairwise), 0.0) * along_cols(dt_j, TRANSPOSED))
-    y = accumulate(weights, x_j, y, MODE, TRANSPOSED)
+            seq_j = ct.load(seq_idx, (batch, cols), shape=(1, ROW_BLOCK),
+                            padding_mode=ZERO).reshape((ROW_BLOCK,))
+        if TRANSPOSED:
+            # Everything indexed [j, i].
+            if SHARED_SCORES:
+                s = load_transposed5(scores, batch, chunk, group, row_block, col_block, ROW_BLOCK,
+                                     ROW_BLOCK, ORDERED_LOADS)
+            else:
+                B_j = ct.load(B, (batch, cols, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
+                              padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
+                s = precise_mma(B_j, C_it, ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32),
+                                MODE, x.dtype)
+            sees = local_j[:, None] <= local_i[None, :]
+            if HAS_SEQ:
+                sees = sees & (seq_j[:, None] == seq_i[None, :])
+            exponent = log2_decay_between(hi_i[None, :], lo_i[None, :], hi_j[:, None],
+                                          lo_j[:, None])
+            weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[:, None])
+            x_jt = load_transposed(x, batch, cols, head, p_block, ROW_BLOCK, P_BLOCK,
+                                   ORDERED_LOADS, 0)
+            y = precise_mma(x_jt, weights, y, MODE, x.dtype)
+        else:
+            if SHARED_SCORES:
+                s = ct.load(scores, (batch, chunk, group, row_block, col_block),
+                            shape=(1, 1, 1, ROW_BLOCK, ROW_BLOCK)).reshape((ROW_BLOCK, ROW_BLOCK))
+            else:
+                B_jt = load_transposed(B, batch, cols, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS,
+                                       0)
+                s = precise_mma(C_i, B_jt, ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32),
+                                MODE, x.dtype)
+            sees = local_j[None, :] <= local_i[:, None]
+            if HAS_SEQ:
+                sees = sees & (seq_j[None, :] == seq_i[:, None])
+            exponent = log2_decay_between(hi_i[:, None], lo_i[:, None], hi_j[None, :],
+                                          lo_j[None, :])
+            # dt_j joins the weights, so x_j enters the MMA as loaded: a 16-bit x is exact in
+            # TF32 and the split modes cut only the weights.
+            weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[None, :])
+            x_j = ct.load(x, (batch, cols, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
+                          padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
+            y = precise_mma(weights, x_j, y, MODE, x.dtype)
 
     if PER_SEQ_START:
         # Sequences that begin inside this chunk and reach these rows, each from its own H0.
@@ -259,14 +205,14 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
                 h0 = ct.load(start_states, (sequence, head, p_block, 0),
                              shape=(1, 1, P_BLOCK, N_PAD), padding_mode=ZERO).reshape(
                                  (P_BLOCK, N_PAD))
-                from_start = precise_mma(h0, C_op, ct.zeros((P_BLOCK, ROW_BLOCK),
+                from_start = precise_mma(h0, C_it, ct.zeros((P_BLOCK, ROW_BLOCK),
                                                             dtype=ct.float32), MODE, x.dtype)
                 y = y + from_start * scale[None, :]
             else:
                 h0_t = ct.load(start_states, (sequence, head, p_block, 0),
                                shape=(1, 1, P_BLOCK, N_PAD), padding_mode=ZERO).reshape(
                                    (P_BLOCK, N_PAD)).transpose()
-                from_start = precise_mma(C_op, h0_t, ct.zeros((ROW_BLOCK, P_BLOCK),
+                from_start = precise_mma(C_i, h0_t, ct.zeros((ROW_BLOCK, P_BLOCK),
                                                              dtype=ct.float32), MODE, x.dtype)
                 y = y + from_start * scale[:, None]
     if TRANSPOSED:
