@@ -162,6 +162,21 @@ def bench_shapes(which: str, chunk_size: int, quick: bool = False) -> list[Bench
     return [BenchShape(spec, tuple(tags)) for spec, tags in found.items()]
 
 
+def select_shapes(shapes: list[BenchShape], only: Optional[str]) -> list[BenchShape]:
+    """The shapes whose label contains one of ``only``'s comma-separated texts (all when None),
+    e.g. 'N256,fp32' from the variants; a text that matches no shape is an error."""
+    if only is None:
+        return shapes
+    texts = [t.strip() for t in only.split(",") if t.strip()]
+    unmatched = [t for t in texts if not any(t in s.label for s in shapes)]
+    if not texts or unmatched:
+        raise ValueError(f"only: expected comma-separated parts of these labels: "
+                         f"{'; '.join(s.label for s in shapes)}; got {only!r}"
+                         + (f" ({', '.join(map(repr, unmatched))} matches none)" if unmatched
+                            else ""))
+    return [s for s in shapes if any(t in s.label for t in texts)]
+
+
 def _itemsize(dtype_name: str) -> int:
     return DTYPES[dtype_name].itemsize
 
@@ -913,6 +928,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="anchors: the three anchor shapes; scaling: seqlen 512..65536 at "
                              "batch 1 and 8; variants: the first anchor with one knob changed "
                              "(headdim, dstate, ngroups, dtype, z and D); all: the three")
+    parser.add_argument("--only", default=None, metavar="TEXT[,TEXT]",
+                        help="of those shapes, only the ones whose label contains one of these "
+                             "texts (e.g. 'N256,G8,fp32' of the variants)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer timed calls per row and three scaling seqlens (a smoke run)")
     parser.add_argument("--chunk-size", type=int, default=None,
@@ -977,6 +995,15 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace) -> dict:
+    if args.chunk_size is None:
+        import kernels  # noqa: PLC0415
+        chunk_size = kernels.DEFAULT_CHUNK_SIZE
+    else:
+        chunk_size = args.chunk_size
+    try:
+        shapes = select_shapes(bench_shapes(args.shapes, chunk_size, quick=args.quick), args.only)
+    except ValueError as exc:
+        raise SystemExit(f"bench: --{exc}") from None
     if not torch.cuda.is_available():
         raise SystemExit("bench: needs a CUDA device and none is visible to torch (use --results "
                          "FILE to print or --check an existing bench.json)")
@@ -987,12 +1014,6 @@ def _measure(args: argparse.Namespace) -> dict:
             (Path(out_dir) / "bench.json").resolve() == Path(args.check).resolve():
         raise SystemExit(f"bench: --out would overwrite the baseline {args.check}; write the new "
                          f"run elsewhere")
-    if args.chunk_size is None:
-        import kernels  # noqa: PLC0415
-        chunk_size = kernels.DEFAULT_CHUNK_SIZE
-    else:
-        chunk_size = args.chunk_size
-    shapes = bench_shapes(args.shapes, chunk_size, quick=args.quick)
     checkpoint = None if out_dir is None else \
         (lambda partial: write_json(partial, Path(out_dir) / "bench.json"))
     doc = run(shapes, QUICK_TIMING if args.quick else FULL_TIMING, budget_s=args.budget_s,

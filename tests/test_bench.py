@@ -350,6 +350,21 @@ def test_cli_refuses_bad_files_and_a_missing_gpu(tmp_path, capsys):
         assert "needs a CUDA device" in capsys.readouterr().err
 
 
+def test_only_selects_shapes_by_label_text(capsys):
+    variants = bench.bench_shapes("variants", 256)
+    picked = bench.select_shapes(variants, "N256, fp32")
+    assert [s.label for s in picked] == ["b8 L4096 H64 P64 N256 G1 bf16",
+                                         "b8 L4096 H64 P64 N128 G1 fp32"]
+    assert bench.select_shapes(variants, None) == variants
+    for only, words in (("N512", "'N512' matches none"), (",", "got ','")):
+        with pytest.raises(ValueError, match="^only: expected") as raised:
+            bench.select_shapes(variants, only)
+        assert words in str(raised.value) and "b8 L4096 H64 P128 N128 G1 bf16" in str(raised.value)
+    # A bad --only is refused before the GPU is looked for, naming the option.
+    assert bench.main(_args(shapes="variants", only="N512")) == 2
+    assert "bench: --only: expected" in capsys.readouterr().err
+
+
 def test_cli_reports_a_failure_of_ours(tmp_path, capsys):
     results = tmp_path / "bench.json"
     results.write_text(json.dumps(_doc(_record(LABEL_A, None, {"mamba_ssm": 1.0}))))
