@@ -53,7 +53,10 @@ pairwise exponent, mask and exp2) was tried at a190f60 and removed. Timed in one
 this kernel (experiments/ab_compute_out_a190f60.txt; one to three tiles per shape), the best of
 each, 0.717 vs 0.689 ms at the first anchor, 1.429 vs 1.408 at the third, 4.10 vs 3.11 in
 '3xbf16' on float32 x; only at the second anchor was it ahead (0.356 vs 0.373 ms). The
-elementwise work it saves is not what bounds this kernel.
+elementwise work it saves is not what bounds this kernel. Reading x_i, D and z before the
+products rather than after them took the first anchor (D per head) from 0.764 to 0.723 ms, with z
+and D per channel from 1.003 to 0.956, the third anchor from 1.501 to 1.411, outputs bit for bit
+the same (experiments/ab_compute_out_prefetch_abdd947.txt).
 """
 from __future__ import annotations
 
@@ -114,6 +117,16 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
                         padding_mode=ZERO).reshape((ROW_BLOCK,))
         # Chunk 0's entering state belongs to the row's first sequence.
         seq_entering = ct.load(seq_idx, (batch, ct.maximum(first - 1, 0)), shape=(1, 1)).reshape(())
+    # The D skip's and the gate's operands are read first, as loaded (16-bit x and z hold half the
+    # registers): their loads overlap the products instead of waiting after them with the store.
+    if HAS_D or HAS_Z:
+        x_i = ct.load(x, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
+                      padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
+    if HAS_D:
+        d = ct.load(D, (head, p_block), shape=(1, P_BLOCK), padding_mode=ZERO)
+    if HAS_Z:
+        z_i = ct.load(z, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
+                      padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
 
     # Every product is an MMA whose operands are read in the order it consumes them, so no tile
     # is transposed in registers (ORDERED_LOADS; else loaded, then transposed). TRANSPOSED
@@ -218,15 +231,10 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
     if TRANSPOSED:
         y = y.transpose()
 
-    if HAS_D or HAS_Z:
-        x_i = ct.load(x, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
-                      padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK)).astype(ct.float32)
     if HAS_D:
-        d = ct.load(D, (head, p_block), shape=(1, P_BLOCK), padding_mode=ZERO)
-        y = y + d * x_i
+        y = y + d * x_i.astype(ct.float32)
     if HAS_Z:
-        z_i = ct.load(z, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
-                      padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK)).astype(ct.float32)
+        z_i = z_i.astype(ct.float32)
         # z sigmoid(z) = z / (1 + e^-z): e^-z = inf for very negative z gives z / inf = -0.
         y = y * (z_i / (1.0 + ct.exp(-z_i)))
     ct.store(out, (batch, rows, head, p_block),
