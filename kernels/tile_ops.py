@@ -1,5 +1,6 @@
 """What the three SSD kernels share: matmul precision modes, safe exponentials, softplus, and the
-host-side bookkeeping of kernel variants (dtypes, 64-bit indexing, hand-written signatures).
+host-side bookkeeping of kernel variants (dtypes, 64-bit indexing, signatures as declared and as a
+launch specializes them).
 
 Precision modes (``ct.mma`` operands; accumulation is always float32):
 
@@ -113,7 +114,8 @@ def load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, block, SIZE: ct.Cons
 @ct.function
 def log2_cumsum_at(log2_decay_cumsum, batch, head, chunk, position):
     """(hi, lo), 0-d: the compensated cumsum at one chunk-local position."""
-    hi, lo = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, position, 1)
+    hi = ct.load(log2_decay_cumsum, (batch, head, chunk, 0, position), shape=(1, 1, 1, 1, 1))
+    lo = ct.load(log2_decay_cumsum, (batch, head, chunk, 1, position), shape=(1, 1, 1, 1, 1))
     return hi.reshape(()), lo.reshape(())
 
 
@@ -317,10 +319,28 @@ class KernelVariant:
 
 def array_constraint(dtype: torch.dtype, ndim: int, wide: bool = False) -> ArrayConstraint:
     """What the JIT assumes of any contiguous torch tensor: unit last stride, 16-byte base (it
-    also specializes on the divisibility of a call's strides and extents: kernels/variants.py)."""
+    also specializes on the divisibility of a call's strides and extents: ``launch_constraint``)."""
     return ArrayConstraint(CT_DTYPE[dtype], ndim, index_dtype=ct.int64 if wide else ct.int32,
                            stride_lower_bound_incl=0, alias_groups=(), may_alias_internally=False,
                            stride_constant=(None,) * (ndim - 1) + (1,), base_addr_divisible_by=16)
+
+
+def launch_constraint(t: torch.Tensor, index_dtype) -> ArrayConstraint:
+    """What cuTile's JIT specializes a kernel on for the tensor ``t`` of a call, base address
+    aside (taken as 16-byte aligned, as torch allocates): unit strides and unit extents become
+    constants, other strides are declared in 16-byte multiples and extents divisible by 16 where
+    they are. It reproduces the kernel names ncu recorded on the H200 (tests/test_compile.py)."""
+    per_16_bytes = 16 // t.element_size()
+    unit_stride = tuple(1 if st == 1 else None for st in t.stride())
+    return ArrayConstraint(
+        CT_DTYPE[t.dtype], t.dim(), index_dtype=index_dtype,
+        stride_lower_bound_incl=tuple(None if u else 0 for u in unit_stride), alias_groups=(),
+        may_alias_internally=False, stride_constant=unit_stride,
+        shape_constant=tuple(1 if n == 1 else None for n in t.shape),
+        stride_divisible_by=tuple(1 if u or st % per_16_bytes else per_16_bytes
+                                  for u, st in zip(unit_stride, t.stride())),
+        shape_divisible_by=tuple(16 if n % 16 == 0 and n != 1 else 1 for n in t.shape),
+        base_addr_divisible_by=16)
 
 
 def scalar_constraint(dtype: torch.dtype) -> ScalarConstraint:

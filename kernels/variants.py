@@ -4,18 +4,24 @@ The covering set is a list of problem recipes (``COVERING_KEYS``) run through th
 (``kernels.ssd.make_plan``), so CI compiles the kernel configs real calls launch: the anchor
 shapes in bf16 (plain and as a Mamba-2 layer calls them), the >2^31-element case, and small recipes
 chosen so that every dtype, chunk size, headdim, dstate, precision mode and feature flag appears at
-least once, several pairwise. Each variant is compiled for sm_80, sm_90 and sm_100 from the
-bytecode ``cuda.tile.compilation.export_kernel`` writes for its hand-written ``KernelSignature``,
-by tileiras with cuTile's own flags (-O3 --lineinfo); on sm_90 tileiras also reports where each
-MMA landed (``--remarks=tensorcore``): a variant whose precision mode promises tensor cores fails
-if any of its MMAs falls back to FMA.
+least once, several pairwise (a recipe with cu_seqlens has batch 1, as such calls do).
 
-The signatures declare what every contiguous tensor guarantees (``tile_ops.array_constraint``),
-not the stride and shape divisibility the JIT also reads off a call's tensors (the H200's kernel
-names, e.g. in experiments/ncu_anchor0_6106f85.txt: 16-byte strides, extents divisible by 16,
-unit extents), so a launched cubin can differ from CI's in that: CI's sm_90 compute_out and
-chunk_state load without TMA (``--remarks=memory``: "stride not 16-byte aligned"), where the same
-kernels compiled with 16-byte strides declared select TMA loads.
+A variant is a kernel config with the signature its launch specializes it on: the host code runs
+each recipe on meta tensors with ct.launch recording (``launch_signatures``), and every array
+argument gets the constraints cuTile's JIT reads off a tensor (``tile_ops.launch_constraint``:
+unit strides and extents as constants, 16-byte strides and extents divisible by 16 declared),
+which reproduce the kernel names ncu recorded on the H200 (tests/test_compile.py). A config's own
+``signature()`` declares only what every contiguous tensor guarantees; compiled from it, the
+first anchor's compute_out reads its tiles without TMA ("stride not 16-byte aligned").
+
+Each variant is compiled for sm_80, sm_90 and sm_100 from the bytecode
+``cuda.tile.compilation.export_kernel`` writes for that signature, by tileiras with cuTile's own
+flags (-O3 --lineinfo); on sm_90 tileiras also reports where each MMA landed and how each tile
+moves (``--remarks=all``). ``violations`` holds a variant to two promises: a precision mode that
+promises tensor cores has every MMA on them, and the MMA kernels move every tile of more than one
+element by TMA (the 64-bit-indexed variants excepted: a TMA descriptor cannot encode their
+extents). The base address is taken as 16-byte aligned, as torch allocates; a view at an odd
+offset launches another specialization than CI compiles.
 
     python3 -m kernels.variants [--target sm_90 ...] [--jobs 2] [--list] [--out DIR]
 """
@@ -24,6 +30,8 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import linecache
+import math
 import os
 import re
 import subprocess
@@ -34,11 +42,14 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing import get_context
 
+import cuda.tile as ct
 import torch
-from cuda.tile.compilation import export_kernel
+from cuda.tile.compilation import ArrayConstraint, KernelSignature, export_kernel
 
-from kernels.ssd import DEFAULT_CHUNK_SIZE, ProblemKey, make_plan
+from kernels.contract import SSDProblem
 from kernels.device import tileiras_path
+from kernels.ssd import DEFAULT_CHUNK_SIZE, ProblemKey, StagePipeline, make_plan
+from kernels.tile_ops import kernel_signature, launch_constraint
 
 TARGETS = ("sm_80", "sm_90", "sm_100")
 REMARK_TARGET = "sm_90"
@@ -58,7 +69,8 @@ def _anchor(batch, seqlen, nheads, ngroups, **kw) -> ProblemKey:
 
 def _small(x, bc, Q, H, P, N, G, **kw) -> ProblemKey:
     b_dtype, c_dtype = bc if isinstance(bc, tuple) else (bc, bc)
-    return ProblemKey(batch=2, seqlen=1000, nheads=H, headdim=P, dstate=N, ngroups=G,
+    batch = 1 if kw.get("cu_dtype") else 2        # cu_seqlens packs sequences into batch 1
+    return ProblemKey(batch=batch, seqlen=1000, nheads=H, headdim=P, dstate=N, ngroups=G,
                       chunk_size=Q, x_dtype=x, b_dtype=b_dtype, c_dtype=c_dtype, **kw)
 
 
@@ -133,10 +145,12 @@ COVERING_KEYS = (
 
 @dataclass(frozen=True)
 class Variant:
-    """One compiled variant: a kernel config and the recipes that launch it."""
+    """One compiled variant: a kernel config, the signature its launches specialize it on
+    (``launch_signatures``) and the recipes that launch it."""
 
     kernel: str
     config: object
+    signature: KernelSignature
     recipes: tuple[str, ...]
     precision: str = ""
 
@@ -149,20 +163,74 @@ class Variant:
         return self.kernel in MMA_KERNELS and self.precision in TENSOR_CORE_PRECISIONS
 
 
+def launch_problem(key: ProblemKey) -> SSDProblem:
+    """A call of ``key``'s sizes, dtypes and flags on contiguous tensors of the meta device
+    (shapes and strides, no memory): what the host code then passes the kernels is what it
+    passes them on a GPU."""
+    b, L, H, P, N, G = (key.batch, key.seqlen, key.nheads, key.headdim, key.dstate,
+                        key.ngroups)
+
+    def tensor(*shape, dtype):
+        return None if dtype is None else torch.empty(*shape, device="meta", dtype=dtype)
+
+    param = key.dt_dtype
+    return SSDProblem(
+        x=tensor(b, L, H, P, dtype=key.x_dtype), dt=tensor(b, L, H, dtype=param),
+        A=tensor(H, dtype=param), B=tensor(b, L, G, N, dtype=key.b_dtype),
+        C=tensor(b, L, G, N, dtype=key.c_dtype), chunk_size=key.chunk_size,
+        D=tensor(H, dtype=param if key.has_d else None), z=tensor(b, L, H, P, dtype=key.z_dtype),
+        dt_bias=tensor(H, dtype=param if key.has_bias else None),
+        initial_states=tensor(key.nseq if key.per_seq_start else b, H, P, N,
+                              dtype=key.start_dtype),
+        seq_idx=tensor(b, L, dtype=key.seq_dtype),
+        cu_seqlens=tensor(key.nseq + 1, dtype=key.cu_dtype), dt_softplus=key.softplus,
+        dt_limit=(1e-4, 1.0) if key.has_limit else (0.0, math.inf), return_final_states=True,
+        return_varlen_states=key.varlen)
+
+
+def launch_signatures(key: ProblemKey, plan) -> list[tuple[str, object, KernelSignature]]:
+    """(kernel name, config, signature) of every launch of ``plan`` on ``key``'s call, the array
+    constraints read off the arguments the host code passes (``tile_ops.launch_constraint``): the
+    specialization the JIT compiles on a GPU, where a config's own ``signature()`` declares only
+    what every contiguous tensor guarantees. The host code runs on meta tensors with ct.launch
+    recording instead of launching."""
+    problem = launch_problem(key)
+    pipeline = StagePipeline(problem, plan, problem.A.to(torch.float32), problem.seq_idx,
+                             key.varlen)
+    launched = []
+    saved = ct.launch, torch.cuda.current_stream
+    ct.launch = lambda stream, grid, kernel, args: launched.append((kernel, args))
+    torch.cuda.current_stream = lambda: None
+    try:
+        dt, cumsum = pipeline.cumsum()
+        chunk_states, _, _ = pipeline.states(dt, cumsum)
+        pipeline.out(dt, cumsum, chunk_states)
+    finally:
+        ct.launch, torch.cuda.current_stream = saved
+    found = []
+    for (name, cfg), (kernel, args) in zip(plan.named_configs(), launched, strict=True):
+        assert kernel is cfg.kernel, cfg.describe()
+        parameters = [launch_constraint(arg, c.index_dtype) if isinstance(c, ArrayConstraint)
+                      else c for c, arg in zip(cfg.signature().parameters, args, strict=True)]
+        found.append((name, cfg, kernel_signature(parameters)))
+    return found
+
+
 def covering_variants() -> list[Variant]:
-    """Every distinct kernel config the covering recipes launch, in first-seen order."""
+    """Every distinct (kernel config, launch signature) the covering recipes launch, in
+    first-seen order."""
     found: dict[tuple, Variant] = {}
     for recipe, key, state_dtype, precision, *knobs in COVERING_KEYS:
         plan = make_plan(key, state_dtype, precision)
         for field_name, changes in (knobs[0] if knobs else {}).items():
             plan = replace(plan, **{field_name: replace(getattr(plan, field_name), **changes)})
-        for kernel, cfg in plan.named_configs():
-            mode = getattr(cfg, "precision", "")
-            ident = (kernel, cfg)
+        for kernel, cfg, signature in launch_signatures(key, plan):
+            ident = (kernel, cfg, repr(signature.parameters))
             if ident in found:
                 found[ident] = replace(found[ident], recipes=found[ident].recipes + (recipe,))
             else:
-                found[ident] = Variant(kernel, cfg, (recipe,), mode)
+                found[ident] = Variant(kernel, cfg, signature, (recipe,),
+                                       getattr(cfg, "precision", ""))
     return list(found.values())
 
 
@@ -174,6 +242,7 @@ class CompileResult:
     seconds: float
     tensor_core_mmas: int = 0
     fma_mmas: list = field(default_factory=list)
+    tma_fallbacks: list = field(default_factory=list)
     error: str = ""
 
 
@@ -192,13 +261,34 @@ def mma_remarks(remarks: str) -> tuple[int, list[str]]:
     return passed, failed
 
 
+_MEMORY_REMARK = re.compile(r"remark\[(passed|failed)\]: ([^\n]*)\n(.*?)(?=remark\[|in function:|\Z)",
+                           re.S)
+
+
+def tma_fallbacks(remarks: str) -> list[str]:
+    """'file:line: why' of every tile load or store that tileiras's memory remarks say did not
+    become a TMA copy (a failed TMA selection, or a plain global-memory instruction)."""
+    found = set()
+    for kind, title, body in _MEMORY_REMARK.findall(remarks):
+        where = re.search(r'--> "([^"]+)":(\d+)', body)
+        instruction = re.search(r"= note: Instruction = ([^\n]*)", body)
+        reason = re.search(r"= reason: (?:loc\([^)]*\): )?([^\n]*)", body)
+        memory = "load" in title.lower() or "store" in title.lower()
+        if where is None or not memory or (kind == "passed" and instruction is not None
+                                           and "TMA" in instruction.group(1)):
+            continue
+        why = reason.group(1) if reason else instruction.group(1) if instruction else title
+        found.add(f"{os.path.basename(where.group(1))}:{where.group(2)}: {why.strip()}")
+    return sorted(found)
+
+
 def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -> CompileResult:
     """Compile one variant for one target; never raises (the result says what went wrong)."""
     start = time.perf_counter()
     result = CompileResult(variant.name, target, ok=False, seconds=0.0)
     try:
         bytecode = io.BytesIO()
-        export_kernel(variant.config.kernel, [variant.config.signature()], bytecode,
+        export_kernel(variant.config.kernel, [variant.signature], bytecode,
                       output_format="tileir_bytecode")
         with tempfile.TemporaryDirectory() as tmp:
             source = os.path.join(tmp, "kernel.tilebc")
@@ -208,7 +298,7 @@ def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -
             cubin = os.path.join(out_dir or tmp, f"{stem}.{target}.cubin")
             command = [tileiras_path(), source, "--gpu-name", target, *TILEIRAS_FLAGS, "-o", cubin]
             if target == REMARK_TARGET:
-                command += ["--remark-format=command-line", "--remarks=tensorcore"]
+                command += ["--remark-format=command-line", "--remarks=all"]
             run = subprocess.run(command, capture_output=True, text=True, timeout=600)
             if run.returncode != 0:
                 result.error = (run.stderr or run.stdout)[-4000:]
@@ -217,7 +307,9 @@ def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -
             else:
                 result.ok = True
                 if target == REMARK_TARGET:
-                    result.tensor_core_mmas, result.fma_mmas = mma_remarks(run.stdout + run.stderr)
+                    remarks = run.stdout + run.stderr
+                    result.tensor_core_mmas, result.fma_mmas = mma_remarks(remarks)
+                    result.tma_fallbacks = tma_fallbacks(remarks)
     except Exception as exc:   # a front-end error (TileError) names file:line; keep its message
         result.error = f"{type(exc).__name__}: {exc}"[-4000:]
     result.seconds = time.perf_counter() - start
@@ -239,13 +331,40 @@ def compile_all(targets=TARGETS, jobs: int = 2, out_dir: str | None = None) -> l
         return list(pool.map(_compile_task, tasks))
 
 
-def tensor_core_violations(variant: Variant, result: CompileResult) -> list[str]:
-    """Why a compiled variant breaks its tensor-core promise (empty when it keeps it)."""
-    if not (result.ok and result.target == REMARK_TARGET and variant.needs_tensor_cores):
+_ONE_ELEMENT = re.compile(r"shape=\(\)|shape=\((1, )*1\)|reshape\(\((1, )*1\)\)")
+
+
+def _statement(path: str, line: int) -> str:
+    """The Python statement that starts at ``line`` of ``path`` (up to its closing bracket)."""
+    text, depth = "", 0
+    while True:
+        source = linecache.getline(path, line)
+        text += source
+        depth += source.count("(") - source.count(")")
+        if depth <= 0 or not source:
+            return text
+        line += 1
+
+
+def violations(variant: Variant, result: CompileResult) -> list[str]:
+    """Why a compiled variant breaks a promise (empty when it keeps them): a precision mode that
+    promises tensor cores has every MMA on them, and an MMA kernel moves every tile of more than
+    one element by TMA (sm_90 remarks), except with 64-bit indexing, whose extents a TMA
+    descriptor cannot encode."""
+    if not (result.ok and result.target == REMARK_TARGET):
         return []
-    problems = [f"MMA on FMA units at {where}" for where in result.fma_mmas]
-    if result.tensor_core_mmas == 0:
-        problems.append("no MMA reported on tensor cores")
+    problems = []
+    if variant.needs_tensor_cores:
+        problems += [f"MMA on FMA units at {where}" for where in result.fma_mmas]
+        if result.tensor_core_mmas == 0:
+            problems.append("no MMA reported on tensor cores")
+    if variant.kernel in MMA_KERNELS and not variant.config.wide:
+        for fallback in result.tma_fallbacks:
+            name, line, why = fallback.split(":", 2)
+            statement = _statement(os.path.join(os.path.dirname(__file__), name), int(line))
+            if not _ONE_ELEMENT.search(statement):
+                problems.append(f"no TMA at {name}:{line} ({why.strip()}): "
+                                f"{' '.join(statement.split())}")
     return problems
 
 
@@ -270,7 +389,7 @@ def main(argv=None) -> int:
     by_name = {v.name: v for v in variants}
     failures = 0
     for r in results:
-        problems = ([r.error] if not r.ok else []) + tensor_core_violations(by_name[r.variant], r)
+        problems = ([r.error] if not r.ok else []) + violations(by_name[r.variant], r)
         failures += bool(problems)
         status = "FAIL" if problems else "ok"
         tc = f" tc={r.tensor_core_mmas}" if r.target == REMARK_TARGET else ""

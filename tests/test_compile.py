@@ -1,8 +1,9 @@
-"""CI without a GPU: every covering kernel variant compiles to sm_80/sm_90/sm_100 cubins, keeps its
-matmuls on tensor cores where its precision mode promises them (sm_90 remarks), and the host code
-launches exactly the signatures CI compiles.
+"""CI without a GPU: every covering kernel variant, specialized as its launch specializes it,
+compiles to sm_80/sm_90/sm_100 cubins, keeps its matmuls on tensor cores where its precision mode
+promises them and moves its tiles by TMA (sm_90 remarks); those specializations are the H200's,
+and the host code launches the signatures CI compiles.
 
-The compiles (~150 tileiras runs) happen once, two at a time, in a module fixture; each
+The compiles (~270 tileiras runs) happen once, two at a time, in a module fixture; each
 (variant, target) is then its own test. Measured on the 2-core CI machine: see kernels/variants.py.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from kernels import chunk_cumsum, chunk_scores, compute_out, fwd_pass_state, ssd
 from kernels.tile_ops import CT_DTYPE
 from kernels.variants import (COVERING_KEYS, TARGETS, compile_all, covering_variants,
-                              tensor_core_violations)
+                              violations)
 from kernels.gpu_report import ANCHORS
 from properties.problems import ProblemSpec, build_problem
 
@@ -34,7 +35,7 @@ def compiled():
 def test_variant_compiles(compiled, variant, target):
     result = compiled[(variant.name, target)]
     assert result.ok, f"{variant.config.describe()} on {target}:\n{result.error}"
-    problems = tensor_core_violations(variant, result)
+    problems = violations(variant, result)
     assert not problems, f"{variant.config.describe()} on {target}: {problems}"
 
 
@@ -148,6 +149,48 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared
         for i, (constraint, arg) in enumerate(zip(params, args)):
             assert _constraint_matches(constraint, arg), f"{cfg.describe()}: argument {i}: {arg!r}"
         assert grid == _grid(name, cfg, problem), name
+
+
+def _h200_kernel_names() -> list[str]:
+    """The chunk_state and compute_out kernel names ncu recorded on the H200 for the first anchor
+    with D per head (kernels.gpu_report.anchor_inputs; the report's header has the command)."""
+    import re
+    from pathlib import Path
+    report = Path(__file__).parent.parent / "reports/h200/experiments/ncu_anchor0_abdd947.txt"
+    return sorted(set(re.findall(r"((?:chunk_state|compute_out)_kernel_\S+) \(",
+                                 report.read_text())))
+
+
+def test_launch_signatures_are_the_ones_the_h200_compiled():
+    """The arrays' constraints CI compiles with (``launch_signatures``: the host code on meta
+    tensors, ``tile_ops.launch_constraint`` on each argument) are those of the cubins the JIT
+    built on the H200 for the same call, read back from their kernel names."""
+    from cuda.tile.compilation import ArrayConstraint, demangle_kernel_name
+    from kernels.variants import _anchor, launch_signatures
+    key = _anchor(8, 4096, 64, 1, has_d=True)
+    ours = {name: signature for name, _, signature in launch_signatures(key, ssd.make_plan(key))}
+    names = _h200_kernel_names()
+    assert len(names) == 2
+    for recorded in names:
+        function, signature = demangle_kernel_name(recorded)
+        mine = ours[function.removesuffix("_kernel")].parameters
+        arrays = [i for i, p in enumerate(signature.parameters) if isinstance(p, ArrayConstraint)]
+        assert len(arrays) >= 10 and len(mine) == len(signature.parameters), function
+        for i in arrays:
+            assert mine[i] == signature.parameters[i], f"{function} argument {i}"
+
+
+def test_tma_check_catches_what_contiguous_signatures_lose():
+    """Compiled from what any contiguous tensor guarantees (a config's own ``signature()``) the
+    first anchor's compute_out reads strided tiles without TMA, and the check says so; from the
+    launch's signature every tile moves by TMA."""
+    from kernels.variants import compile_variant
+    variant = next(v for v in VARIANTS
+                   if v.kernel == "compute_out" and "anchor-b8-L4096-h64" in v.recipes)
+    assert violations(variant, compile_variant(variant, "sm_90")) == []
+    contiguous = replace(variant, signature=variant.config.signature())
+    problems = violations(contiguous, compile_variant(contiguous, "sm_90"))
+    assert problems and all("no TMA at" in p for p in problems), problems
 
 
 def test_anchor_shapes_pick_compiled_variants():
