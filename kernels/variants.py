@@ -261,8 +261,8 @@ def mma_remarks(remarks: str) -> tuple[int, list[str]]:
     return passed, failed
 
 
-_MEMORY_REMARK = re.compile(r"remark\[(passed|failed)\]: ([^\n]*)\n(.*?)(?=remark\[|in function:|\Z)",
-                           re.S)
+_MEMORY_REMARK = re.compile(
+    r"remark\[(passed|failed)\]: ([^\n]*)\n(.*?)(?=remark\[|in function:|\Z)", re.S)
 
 
 def tma_fallbacks(remarks: str) -> list[str]:
