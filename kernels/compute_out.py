@@ -22,7 +22,10 @@ once per group, instead of an MMA per head (the dispatcher's choice from 8 heads
 ``kernels.ssd.shares_scores``). Tuner knobs: ``transposed`` accumulates y^T = h C_i^T +
 x_j^T (B_j C_i^T o L^T dt_j) instead, the same sums with the loaded x_j as the left operand and
 the computed weights as the right one; ``ordered_loads`` reads the transposed operands in the
-order the MMA consumes them rather than transposing loaded tiles.
+order the MMA consumes them rather than transposing loaded tiles; ``latency`` is the latency hint
+of the column blocks' tile loads (scores or B_j, and x_j; 0 leaves it to the compiler). On sm_90
+the hints 1 and 2 compile the first anchor's kernel to other code (text 28.9 -> 50.9 KB), 3 to
+10 to the compiler's own (CPU compile at the launch's signature, 49d954e).
 
 A NaN or Inf in x, dt or B at position j also reaches the positions before j in its chunk (and
 other sequences packed in it): their masked weight 0 multiplies it inside the MMA.
@@ -76,14 +79,17 @@ ZERO = ct.PaddingMode.ZERO
 
 @ct.function
 def load_transposed5(array, i0, i1, i2, rows, cols, ROWS: ct.Constant[int],
-                     COLS: ct.Constant[int], ORDERED: ct.Constant[bool]):
+                     COLS: ct.Constant[int], ORDERED: ct.Constant[bool],
+                     LATENCY: ct.Constant[int]):
     """``load_transposed`` for the (1, 1, 1, ROWS, COLS) tile of a 5-d array."""
     if ORDERED:
         t = ct.load(array, (i0, i1, i2, cols, rows), shape=(1, 1, 1, COLS, ROWS),
-                    order=(0, 1, 2, 4, 3), padding_mode=ZERO).reshape((COLS, ROWS))
+                    order=(0, 1, 2, 4, 3), padding_mode=ZERO,
+                    latency=LATENCY if LATENCY > 0 else None).reshape((COLS, ROWS))
     else:
         t = ct.load(array, (i0, i1, i2, rows, cols), shape=(1, 1, 1, ROWS, COLS),
-                    padding_mode=ZERO).reshape((ROWS, COLS)).transpose()
+                    padding_mode=ZERO,
+                    latency=LATENCY if LATENCY > 0 else None).reshape((ROWS, COLS)).transpose()
     return t
 
 
@@ -95,7 +101,7 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
                        HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
                        HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
                        TRANSPOSED: ct.Constant[bool], SHARED_SCORES: ct.Constant[bool],
-                       ORDERED_LOADS: ct.Constant[bool]):
+                       ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int]):
     # Heads vary fastest: blocks running together share C and B rows (one group, one chunk).
     pid = ct.bid(0)
     head = pid % nheads
@@ -143,7 +149,7 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
         C_i = ct.load(C, (batch, rows, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
                       padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
         h_t = load_transposed5(chunk_states, batch, chunk, head, p_block, 0, P_BLOCK, N_PAD,
-                               ORDERED_LOADS)
+                               ORDERED_LOADS, 0)
         y = precise_mma(C_i, h_t, ct.zeros((ROW_BLOCK, P_BLOCK), dtype=ct.float32), MODE, x.dtype)
     # The state entering the chunk, seen by the rows still in the sequence that entered it.
     carried_scale = exp2_nonpos(hi_i + lo_i)
@@ -168,10 +174,11 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
             # Everything indexed [j, i].
             if SHARED_SCORES:
                 s = load_transposed5(scores, batch, chunk, group, row_block, col_block, ROW_BLOCK,
-                                     ROW_BLOCK, ORDERED_LOADS)
+                                     ROW_BLOCK, ORDERED_LOADS, LATENCY)
             else:
                 B_j = ct.load(B, (batch, cols, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
-                              padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
+                              padding_mode=ZERO, latency=LATENCY if LATENCY > 0 else None
+                              ).reshape((ROW_BLOCK, N_PAD))
                 s = precise_mma(B_j, C_it, ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32),
                                 MODE, x.dtype)
             sees = local_j[:, None] <= local_i[None, :]
@@ -181,15 +188,17 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
                                           lo_j[:, None])
             weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[:, None])
             x_jt = load_transposed(x, batch, cols, head, p_block, ROW_BLOCK, P_BLOCK,
-                                   ORDERED_LOADS, 0)
+                                   ORDERED_LOADS, LATENCY)
             y = precise_mma(x_jt, weights, y, MODE, x.dtype)
         else:
             if SHARED_SCORES:
                 s = ct.load(scores, (batch, chunk, group, row_block, col_block),
-                            shape=(1, 1, 1, ROW_BLOCK, ROW_BLOCK)).reshape((ROW_BLOCK, ROW_BLOCK))
+                            shape=(1, 1, 1, ROW_BLOCK, ROW_BLOCK),
+                            latency=LATENCY if LATENCY > 0 else None).reshape((ROW_BLOCK,
+                                                                               ROW_BLOCK))
             else:
                 B_jt = load_transposed(B, batch, cols, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS,
-                                       0)
+                                       LATENCY)
                 s = precise_mma(C_i, B_jt, ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32),
                                 MODE, x.dtype)
             sees = local_j[None, :] <= local_i[:, None]
@@ -201,7 +210,8 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
             # TF32 and the split modes cut only the weights.
             weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[None, :])
             x_j = ct.load(x, (batch, cols, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
-                          padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
+                          padding_mode=ZERO, latency=LATENCY if LATENCY > 0 else None
+                          ).reshape((ROW_BLOCK, P_BLOCK))
             y = precise_mma(weights, x_j, y, MODE, x.dtype)
 
     if PER_SEQ_START:
@@ -279,13 +289,14 @@ class ComputeOutConfig(KernelVariant):
     transposed: bool = False
     shared_scores: bool = False
     ordered_loads: bool = False
+    latency: int = 0
     wide: bool = False
     occupancy: int | None = None
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_pad,
                 MODE[self.precision], self.has_d, self.has_z, self.has_seq, self.per_seq_start,
-                self.transposed, self.shared_scores, self.ordered_loads)
+                self.transposed, self.shared_scores, self.ordered_loads, self.latency)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
@@ -306,6 +317,7 @@ class ComputeOutConfig(KernelVariant):
                 f"D={self.has_d} z={self.has_z} seq={self.has_seq} "
                 f"per_seq_start={self.per_seq_start} transposed={self.transposed} "
                 f"shared_scores={self.shared_scores} ordered_loads={self.ordered_loads} "
+                f"latency={self.latency} "
                 f"int64={self.wide} occupancy={self.occupancy}")
 
 

@@ -63,10 +63,14 @@ CANDIDATES = {
                       itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
                                         (None, 4, 8, 16))],
     # Occupancy 2 or 4 won every compute_out search so far (reports/h200/tune.json,
-    # experiments/tune_322c7d5.json): the layout knobs get the room instead.
-    "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, ordered_loads=l)
-                    for (r, p, o), t, l in itertools.product(
-                        ((64, 64, 2), (64, 64, 4), (64, 32, 4), (128, 64, 2)),
+    # experiments/tune_322c7d5.json): the layout knobs get the room instead. At occupancy 2
+    # (every anchor's winner since 79bdf52) also with the column blocks' load latency hint at 2
+    # (1 and 2 change the sm_90 code, 3 and up do not: kernels/compute_out.py).
+    "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, ordered_loads=l,
+                         latency=h)
+                    for (r, p, o, h), t, l in itertools.product(
+                        ((64, 64, 2, 0), (64, 64, 4, 0), (64, 32, 4, 0), (128, 64, 2, 0),
+                         (64, 64, 2, 2), (128, 64, 2, 2)),
                         (False, True), (False, True))],
 }
 PROBED_CANDIDATES = 4

@@ -120,6 +120,8 @@ COVERING_KEYS = (
     # A tuner knob the dispatcher picks only from a table or a user's cache: compiled here too.
     ("anchor-b8-L4096-h64-out-transposed", _anchor(8, 4096, 64, 1), f32, None,
      {"out": {"transposed": True}}),
+    ("anchor-b8-L4096-h64-out-latency", _anchor(8, 4096, 64, 1), None, None,
+     {"out": {"latency": 2}}),
     ("anchor-b4-L8192-h32-g8-shared-scores-ordered", _anchor(4, 8192, 32, 8), f32, None,
      {"out": {"shared_scores": True, "ordered_loads": True}}),
     ("fp32-q128-3xtf32-packed-shared-scores-transposed",

@@ -105,13 +105,16 @@ def _with_knobs(problem, precision, field: str, knobs: dict):
 @pytest.mark.parametrize("knobs", [dict(transposed=True), dict(shared_scores=True),
                                    dict(ordered_loads=True),
                                    dict(shared_scores=True, ordered_loads=True, transposed=True),
-                                   dict(ordered_loads=True, transposed=True)],
+                                   dict(ordered_loads=True, transposed=True),
+                                   dict(shared_scores=True, latency=2),
+                                   dict(transposed=True, ordered_loads=True, latency=2)],
                          ids=lambda k: "+".join(k))
 def test_compute_out_tuner_knobs_compute_the_same_output(x_dtype, precision, knobs):
     """compute_out's tuner knobs change operand layouts (``transposed``: y^T = h C^T + x^T W^T),
-    where the scores come from (``shared_scores``: kernels/chunk_scores.py) and whether operands
-    are read transposed or transposed after loading (``ordered_loads``), not the sums: the output
-    agrees with the default kernel to a rounding."""
+    where the scores come from (``shared_scores``: kernels/chunk_scores.py), whether operands
+    are read transposed or transposed after loading (``ordered_loads``) and how the loads are
+    scheduled (``latency``), not the sums: the output agrees with the default kernel to a
+    rounding."""
     problem = _knob_problem(x_dtype)
     outs = []
     for changes in ({}, knobs):
