@@ -172,7 +172,10 @@ def test_launch_signatures_are_the_ones_the_h200_compiled():
     ours = {name: signature for name, _, signature in launch_signatures(key, ssd.make_plan(key))}
     names = _h200_kernel_names()
     assert len(names) == 2
-    arrays = lambda parameters: [p for p in parameters if isinstance(p, ArrayConstraint)]  # noqa: E731
+
+    def arrays(parameters):
+        return [p for p in parameters if isinstance(p, ArrayConstraint)]
+
     for recorded in names:
         # The arrays only: constants are tiles and knobs, which the table and the kernels'
         # parameters (compute_out's latency, added after the recording) move on from.
