@@ -15,7 +15,11 @@ provenance. A mode probed in compute_out stores the chunk states as that mode do
 chunk size (a key of its own). Candidates only change tiles and hints, never what is computed;
 the accuracy grid (kernels/gpu_report.py) is run on the tuned table before it is committed.
 Candidates compile in ``--jobs`` worker processes first (cuTile's disk cache then serves this
-process).
+process). Before that each candidate's stage kernels are compiled on the CPU at the
+specializations its launches take (``kernels.variants.launch_signatures``): candidates whose
+machine code matches an earlier one's are timed once (at the first anchor, 24 compute_out
+candidates compile to 15 codes: ``ordered_loads`` changes nothing untransposed there, nor the
+latency hint at row block 128).
 
 A user's own shapes (``--shape``, repeatable) are tuned the same way; ``--cache`` merges their
 winners into the per-user tuning cache (``kernels.ssd.tuning_cache_path()``), entries kept per GPU
@@ -40,6 +44,7 @@ from kernels import ssd
 from kernels.contract import SSDInputError, validate
 from kernels.gpu_check import time_ms
 from kernels.tile_ops import next_pow2
+from kernels.variants import TARGETS, Variant, compile_variant, launch_signatures
 
 TABLE_PATH = os.path.join(os.path.dirname(__file__), "tuned.json")
 SHAPES = ((8, 4096, 64, 64, 128, 1, "bfloat16"), (4, 8192, 32, 64, 128, 8, "bfloat16"),
@@ -74,6 +79,10 @@ CANDIDATES = {
                         (False, True), (False, True))],
 }
 PROBED_CANDIDATES = 4
+# The kernels whose configs a stage's candidates change (compute_out's row block also sets the
+# shared scores' tiles).
+STAGE_KERNELS = {"chunk_state": ("chunk_state",), "state_passing": ("state_passing",),
+                 "compute_out": ("chunk_scores", "compute_out")}
 FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
 # What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
 PRECISION_PROBES = {"chunk_state": ("3xtf32", "tf32", "input", "3xbf16"),
@@ -153,15 +162,56 @@ def _compile_task(args):
         return f"{type(exc).__name__}: {exc}"[:300]
 
 
+def _code_task(args):
+    """The machine code (``variants.code_digest``) that a candidate plan compiles ``stage``'s
+    kernels to on ``target``, at the specializations its launches take (compiled on the CPU);
+    None when it cannot be told."""
+    key, plan, stage, target = args
+    try:
+        digests = []
+        for name, cfg, signature in launch_signatures(key, plan):
+            if name in STAGE_KERNELS[stage]:
+                result = compile_variant(Variant(name, cfg, signature, ("tune",)), target)
+                if not result.ok:
+                    return None
+                digests.append(result.code_digest)
+        return "+".join(digests)
+    except Exception:  # noqa: BLE001 - a candidate whose code is unknown is timed on its own
+        return None
+
+
+def same_code_as(codes: list) -> list[int]:
+    """For each candidate, the index of the first with the same code (itself when none came
+    before it, or when its code is unknown: None)."""
+    first: dict = {}
+    return [i if code is None else first.setdefault(code, i) for i, code in enumerate(codes)]
+
+
 def _search(shape, chunk_size, stage, pool, inputs, plan, dt, cumsum, states):
-    """(rows, best): every fitting candidate of ``stage`` timed on ``plan``'s other stages."""
+    """(rows, best): every fitting candidate of ``stage`` timed on ``plan``'s other stages, once
+    per distinct machine code: a candidate that compiles to an earlier one's code (a knob that
+    changes nothing at this shape) takes its time, with ``same_code_as`` naming it."""
     cands = [c for c in CANDIDATES[stage] if fits(c, shape, chunk_size)]
-    errors = list(pool.map(_compile_task, [(shape, chunk_size, stage, c, None) for c in cands]))
+    major, minor = torch.cuda.get_device_capability()
+    target = f"sm_{major}{minor}"
+    codes = [None] * len(cands)
+    if target in TARGETS:
+        problem = _pipeline(inputs, chunk_size).problem
+        key = ssd.ProblemKey.from_problem(problem, varlen=False, wide=plan.out.wide)
+        codes = list(pool.map(_code_task, [(key, with_candidate(plan, stage, c), stage, target)
+                                           for c in cands]))
+    twins = same_code_as(codes)
+    firsts = [i for i, twin in enumerate(twins) if twin == i]
+    errors = dict(zip(firsts, pool.map(_compile_task, [(shape, chunk_size, stage, cands[i], None)
+                                                        for i in firsts])))
     rows = []
-    for cand, error in zip(cands, errors):
+    for i, cand in enumerate(cands):
         row = dict(cand)
-        if error:
-            row["error"] = error
+        if twins[i] != i:
+            row.update({k: v for k, v in rows[twins[i]].items() if k in ("ms", "error")},
+                       same_code_as=twins[i])
+        elif errors[i]:
+            row["error"] = errors[i]
         else:
             pipeline = _pipeline(inputs, chunk_size, with_candidate(plan, stage, cand))
             try:
@@ -169,7 +219,8 @@ def _search(shape, chunk_size, stage, pool, inputs, plan, dt, cumsum, states):
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
-        print(f"{shape} {stage} {cand}: {row.get('ms', row.get('error'))}", flush=True)
+        twin = f" (the code of candidate {twins[i]})" if twins[i] != i else ""
+        print(f"{shape} {stage} {cand}: {row.get('ms', row.get('error'))}{twin}", flush=True)
     timed = [r for r in rows if "ms" in r]
     if not timed:
         raise RuntimeError(f"{shape} {stage}: no candidate ran: {rows[0].get('error')}")
@@ -202,7 +253,8 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES),
         plan = with_candidate(plan, stage, {k: best[k] for k in best if k != "ms"})
         # Each probed mode at the PROBED_CANDIDATES fastest candidates of the search, or at the
         # dispatcher's choice.
-        timed = sorted((r for r in record["stages"].get(stage, []) if "ms" in r),
+        timed = sorted((r for r in record["stages"].get(stage, [])
+                        if "ms" in r and "same_code_as" not in r),
                        key=lambda r: r["ms"])[:PROBED_CANDIDATES] or [best]
         tasks = []
         searched = getattr(getattr(plan, FIELD[stage]), "precision", None)

@@ -28,12 +28,14 @@ offset launches another specialization than CI compiles.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import linecache
 import math
 import os
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -245,6 +247,7 @@ class CompileResult:
     tensor_core_mmas: int = 0
     fma_mmas: list = field(default_factory=list)
     tma_fallbacks: list = field(default_factory=list)
+    code_digest: str = ""
     error: str = ""
 
 
@@ -284,6 +287,20 @@ def tma_fallbacks(remarks: str) -> list[str]:
     return sorted(found)
 
 
+def code_digest(cubin: bytes) -> str:
+    """A digest of a cubin's machine code: its .text sections' bytes (ELF64; symbol names, line
+    tables and other metadata left out), so two configs that compile to the same code match."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
+    names_offset = headers[names_index][4]
+    digest = hashlib.sha256()
+    for name, _, _, _, offset, size in headers:
+        if cubin[names_offset + name:].startswith(b".text"):
+            digest.update(cubin[offset:offset + size])
+    return digest.hexdigest()[:16]
+
+
 def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -> CompileResult:
     """Compile one variant for one target; never raises (the result says what went wrong)."""
     start = time.perf_counter()
@@ -308,6 +325,8 @@ def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -
                 result.error = "tileiras wrote an empty cubin"
             else:
                 result.ok = True
+                with open(cubin, "rb") as f:
+                    result.code_digest = code_digest(f.read())
                 if target == REMARK_TARGET:
                     remarks = run.stdout + run.stderr
                     result.tensor_core_mmas, result.fma_mmas = mma_remarks(remarks)

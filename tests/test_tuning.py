@@ -228,6 +228,53 @@ def test_a_run_at_another_chunk_size_keys_its_winners_there():
     assert tune.record_key(dict(shape=anchor_shape(8)), DEFAULT)["chunk_size"] == 256   # older runs
 
 
+def test_candidates_with_the_same_code_are_timed_once():
+    """Twins point at the first candidate with their code; an unknown code is nobody's twin."""
+    assert tune.same_code_as(["a", "b", "a", None, None, "b", "c"]) == [0, 1, 0, 3, 4, 1, 6]
+    # At the first anchor, compute_out read in order or transposed after loading compiles to one
+    # code untransposed (the order only reaches transposed operands) and to two transposed.
+    from kernels.variants import _anchor
+    key = _anchor(8, 4096, 64, 1, has_d=True)
+    plan = ssd.make_plan(key)
+    codes = [tune._code_task((key, tune.with_candidate(plan, "compute_out", dict(
+        transposed=transposed, ordered_loads=ordered)), "compute_out", "sm_90"))
+        for transposed in (False, True) for ordered in (False, True)]
+    assert None not in codes and tune.same_code_as(codes) == [0, 0, 2, 3]
+    assert tune._code_task((key, plan, "no such stage", "sm_90")) is None
+
+
+def test_search_compiles_and_times_each_code_once(monkeypatch):
+    """The search (GPU parts stubbed): twins are neither compiled nor timed, take their first's
+    time and name it; the best is a first."""
+    from types import SimpleNamespace
+    from kernels.variants import _anchor, launch_problem
+    key = _anchor(8, 4096, 64, 1, has_d=True)
+    cands = [dict(row_block=64, transposed=t, ordered_loads=o, latency=h)
+             for t in (False, True) for o in (False, True) for h in (0, 2)]
+    codes = {(False, 0): "u", (False, 2): "u2", (True, 0): "t", (True, 2): "t"}
+    compiled, timed = [], []
+    monkeypatch.setitem(tune.CANDIDATES, "compute_out", cands)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(tune, "_pipeline", lambda inputs, chunk_size, plan=None: SimpleNamespace(
+        problem=launch_problem(key), plan=plan))
+    monkeypatch.setattr(tune, "_code_task", lambda args: codes[
+        args[1].out.transposed, args[1].out.latency] if args[1].out.ordered_loads or
+        not args[1].out.transposed else None)
+    monkeypatch.setattr(tune, "_compile_task", lambda args: compiled.append(args[3]))
+    monkeypatch.setattr(tune, "_stage_call", lambda pipeline, *a: pipeline.plan.out)
+    monkeypatch.setattr(tune, "time_ms",
+                        lambda out, reps: timed.append(out) or 1.0 - 0.1 * len(timed))
+    shape = (8, 4096, 64, 64, 128, 1, "bfloat16")
+    rows, best = tune._search(shape, 256, "compute_out", SimpleNamespace(map=map), None,
+                              ssd.make_plan(key), None, None, None)
+    # Untransposed: ordered or not, one code per latency. Transposed: unknown unless ordered,
+    # then one code for both latencies.
+    assert [r.get("same_code_as") for r in rows] == [None, None, 0, 1, None, None, None, 6]
+    assert len(compiled) == len(timed) == 5
+    assert [round(r["ms"], 6) for r in rows] == [0.9, 0.8, 0.9, 0.8, 0.7, 0.6, 0.5, 0.5]
+    assert best is rows[6]
+
+
 def test_tuner_candidates_respect_the_problem_sizes():
     small = (1, 512, 4, 32, 16, 1, "bfloat16")
     assert tune.fits(dict(row_block=64, p_block=32, n_block=16), small, 256)
