@@ -17,9 +17,9 @@ the accuracy grid (kernels/gpu_report.py) is run on the tuned table before it is
 Candidates compile in ``--jobs`` worker processes first (cuTile's disk cache then serves this
 process). Before that each candidate's stage kernels are compiled on the CPU at the
 specializations its launches take (``kernels.variants.launch_signatures``): candidates whose
-machine code matches an earlier one's are timed once (at the first anchor, 24 compute_out
-candidates compile to 15 codes: ``ordered_loads`` changes nothing untransposed there, nor the
-latency hint at row block 128).
+machine code matches an earlier one's are timed once (at the first anchor, 24 of the compute_out
+candidates compiled to 15 codes: ``ordered_loads`` changes nothing untransposed there, nor the
+latency hint at row block 128; 28 chunk_state candidates to 15).
 
 A user's own shapes (``--shape``, repeatable) are tuned the same way; ``--cache`` merges their
 winners into the per-user tuning cache (``kernels.ssd.tuning_cache_path()``), entries kept per GPU
@@ -70,12 +70,16 @@ CANDIDATES = {
     # Occupancy 2 or 4 won every compute_out search so far (reports/h200/tune.json,
     # experiments/tune_322c7d5.json): the layout knobs get the room instead. At occupancy 2
     # (every anchor's winner since 79bdf52) also with the column blocks' load latency hint at 2
-    # (1 and 2 change the sm_90 code, 3 and up do not: kernels/compute_out.py).
+    # (1 and 2 change the sm_90 code, 3 and up do not: kernels/compute_out.py). Occupancy 3
+    # too: the hint sets how deep tileiras pipelines the loads, and at the first anchor's row
+    # block 64 it compiles to 80 registers and 72 KB of shared memory (3 blocks of 256 threads
+    # fit an SM), against 128 and 108 KB at 2, where ncu found the kernel latency-bound
+    # (experiments/ncu_anchor0_abdd947.txt).
     "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, ordered_loads=l,
                          latency=h)
                     for (r, p, o, h), t, l in itertools.product(
                         ((64, 64, 2, 0), (64, 64, 4, 0), (64, 32, 4, 0), (128, 64, 2, 0),
-                         (64, 64, 2, 2), (128, 64, 2, 2)),
+                         (64, 64, 2, 2), (128, 64, 2, 2), (64, 64, 3, 0), (128, 64, 3, 0)),
                         (False, True), (False, True))],
 }
 PROBED_CANDIDATES = 4

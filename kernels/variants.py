@@ -124,6 +124,8 @@ COVERING_KEYS = (
      {"out": {"transposed": True}}),
     ("anchor-b8-L4096-h64-out-latency", _anchor(8, 4096, 64, 1), None, None,
      {"out": {"latency": 2}}),
+    ("anchor-b8-L4096-h64-out-occupancy3", _anchor(8, 4096, 64, 1), None, None,
+     {"out": {"occupancy": 3}}),
     ("anchor-b4-L8192-h32-g8-shared-scores-ordered", _anchor(4, 8192, 32, 8), f32, None,
      {"out": {"shared_scores": True, "ordered_loads": True}}),
     ("fp32-q128-3xtf32-packed-shared-scores-transposed",
