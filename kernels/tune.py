@@ -63,7 +63,14 @@ CANDIDATES = {
                         (False, True), (False, True))]
                    + [dict(row_block=64, p_block=64, n_block=128, occupancy=2, transposed=t,
                            ordered_loads=l, latency=h)
-                      for t, l, h in itertools.product((False, True), (False, True), (2, 6, 10))],
+                      for t, l, h in itertools.product((False, True), (False, True), (2, 6, 10))]
+                   # Occupancy 3 at that block, with the table's hint and without: at the first
+                   # anchor, transposed, one more code (80 registers and 73 KB of shared memory,
+                   # against 128 and 110 KB at 2); untransposed, occupancy 2's codes (the search
+                   # times each code once).
+                   + [dict(row_block=64, p_block=64, n_block=128, occupancy=3, transposed=t,
+                           ordered_loads=l, latency=h)
+                      for t, l, h in itertools.product((False, True), (False, True), (0, 6))],
     "state_passing": [dict(p_block=p, n_block=n, occupancy=o) for (p, n), o in
                       itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
                                         (None, 4, 8, 16))],
