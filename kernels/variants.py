@@ -290,16 +290,21 @@ def tma_fallbacks(remarks: str) -> list[str]:
 
 
 def code_digest(cubin: bytes) -> str:
-    """A digest of a cubin's machine code: its .text sections' bytes (ELF64; symbol names, line
-    tables and other metadata left out), so two configs that compile to the same code match."""
+    """A digest of what a cubin runs: its machine code (the .text sections' bytes), its kernel
+    attributes (.nv.info: registers, barriers, parameter layout) and its shared-memory sizes, in
+    an ELF64 cubin; symbol names and line tables are left out, so two configs that compile to the
+    same kernel match."""
     shoff, = struct.unpack_from("<Q", cubin, 0x28)
     entsize, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
     headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
     names_offset = headers[names_index][4]
     digest = hashlib.sha256()
     for name, _, _, _, offset, size in headers:
-        if cubin[names_offset + name:].startswith(b".text"):
+        section = cubin[names_offset + name:cubin.index(b"\0", names_offset + name)]
+        if section.startswith((b".text", b".nv.info")):
             digest.update(cubin[offset:offset + size])
+        elif section.startswith(b".nv.shared"):
+            digest.update(size.to_bytes(8, "little"))
     return digest.hexdigest()[:16]
 
 
