@@ -33,7 +33,7 @@ experiments/ncu_anchor1_4f66ebf.txt): state_passing_kernel 0.13 ms at 3.96 TB/s 
 peak). chunk_state_kernel is latency-bound (occupancy 17%, experiments/ncu_anchor0_6106f85.txt):
 a latency hint of 6 on its x and B loads took the states stage from 0.52 to 0.43 ms at the first
 anchor, 10 from 0.26 to 0.24 at the second (tuner, bf16 chunk states, 5b56790; the sm_90 cubins
-differ with the hint, compute_out's did not).
+differ with the hint).
 """
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ the accuracy grid (kernels/gpu_report.py) is run on the tuned table before it is
 Candidates compile in ``--jobs`` worker processes first (cuTile's disk cache then serves this
 process). Before that each candidate's stage kernels are compiled on the CPU at the
 specializations its launches take (``kernels.variants.launch_signatures``): candidates whose
-machine code matches an earlier one's are timed once (at the first anchor, 24 of the compute_out
-candidates compiled to 15 codes: ``ordered_loads`` changes nothing untransposed there, nor the
-latency hint at row block 128; 28 chunk_state candidates to 15).
+compiled kernel matches an earlier one's are timed once (at the first anchor the 32 compute_out
+candidates compile to 19 kernels: ``ordered_loads`` changes nothing untransposed there, nor the
+latency hint at row block 128; the 36 chunk_state candidates to 16).
 
 A user's own shapes (``--shape``, repeatable) are tuned the same way; ``--cache`` merges their
 winners into the per-user tuning cache (``kernels.ssd.tuning_cache_path()``), entries kept per GPU

@@ -28,6 +28,7 @@ offset launches another specialization than CI compiles.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
@@ -194,27 +195,35 @@ def launch_problem(key: ProblemKey) -> SSDProblem:
         return_varlen_states=key.varlen)
 
 
+@contextlib.contextmanager
+def recorded_launches():
+    """Within it, ct.launch records (grid, kernel, args) instead of launching and the current
+    stream needs no GPU, so the host code runs on CPU or meta tensors."""
+    launched = []
+    saved = ct.launch, torch.cuda.current_stream
+    ct.launch = lambda stream, grid, kernel, args: launched.append((grid, kernel, args))
+    torch.cuda.current_stream = lambda: None
+    try:
+        yield launched
+    finally:
+        ct.launch, torch.cuda.current_stream = saved
+
+
 def launch_signatures(key: ProblemKey, plan) -> list[tuple[str, object, KernelSignature]]:
     """(kernel name, config, signature) of every launch of ``plan`` on ``key``'s call, the array
     constraints read off the arguments the host code passes (``tile_ops.launch_constraint``): the
     specialization the JIT compiles on a GPU, where a config's own ``signature()`` declares only
     what every contiguous tensor guarantees. The host code runs on meta tensors with ct.launch
-    recording instead of launching."""
+    recording instead of launching (``recorded_launches``)."""
     problem = launch_problem(key)
     pipeline = StagePipeline(problem, plan, problem.A.to(torch.float32), problem.seq_idx,
                              key.varlen)
-    launched = []
-    saved = ct.launch, torch.cuda.current_stream
-    ct.launch = lambda stream, grid, kernel, args: launched.append((kernel, args))
-    torch.cuda.current_stream = lambda: None
-    try:
+    with recorded_launches() as launched:
         dt, cumsum = pipeline.cumsum()
         chunk_states, _, _ = pipeline.states(dt, cumsum)
         pipeline.out(dt, cumsum, chunk_states)
-    finally:
-        ct.launch, torch.cuda.current_stream = saved
     found = []
-    for (name, cfg), (kernel, args) in zip(plan.named_configs(), launched, strict=True):
+    for (name, cfg), (_, kernel, args) in zip(plan.named_configs(), launched, strict=True):
         assert kernel is cfg.kernel, cfg.describe()
         parameters = [launch_constraint(arg, c.index_dtype) if isinstance(c, ArrayConstraint)
                       else c for c, arg in zip(cfg.signature().parameters, args, strict=True)]

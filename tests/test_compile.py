@@ -14,10 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels import chunk_cumsum, chunk_scores, compute_out, fwd_pass_state, ssd
+from kernels import ssd
 from kernels.tile_ops import CT_DTYPE
 from kernels.variants import (COVERING_KEYS, TARGETS, compile_all, covering_variants,
-                              violations)
+                              recorded_launches, violations)
 from kernels.gpu_report import ANCHORS
 from properties.problems import ProblemSpec, build_problem
 
@@ -122,7 +122,6 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared
     dtypes, ranks, scalars and constants of the signature the dispatcher's config describes,
     over a grid that covers every output tile exactly once (with compute_out's scores computed
     inside it or shared from kernels/chunk_scores.py)."""
-    launches = []
     make_plan = ssd.make_plan
 
     def plan_with_knob(*args, **kwargs):
@@ -130,19 +129,14 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared
         return replace(plan, out=replace(plan.out, shared_scores=shared_scores,
                                          ordered_loads=shared_scores))
 
-    def fake_launch(stream, grid, kernel, args):
-        launches.append((grid, kernel, args))
-
-    for module in (chunk_cumsum, fwd_pass_state, chunk_scores, compute_out):
-        monkeypatch.setattr(module.ct, "launch", fake_launch)
     monkeypatch.setattr(ssd, "make_plan", plan_with_knob)
     monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
     problem = build_problem(spec)
     key = ssd.ProblemKey.from_problem(problem, varlen=problem.cu_seqlens is not None,
                                       wide=False)
     plan = ssd.make_plan(key, None, precision)
-    ssd.run_stages(problem, precision=precision)
+    with recorded_launches() as launches:
+        ssd.run_stages(problem, precision=precision)
     named = plan.named_configs()
     assert len(launches) == len(named)
     for (grid, kernel, args), (name, cfg) in zip(launches, named):
