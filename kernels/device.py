@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -27,6 +28,21 @@ def tileiras_path() -> str:
             "the tileiras compiler was not found, and cuTile compiles every kernel with it: "
             "install it with `pip install nvidia-cuda-tileiras==13.4.*` (or a CUDA Toolkit 13.4+ "
             f"with tileiras on PATH). cuTile said: {exc}") from exc
+
+
+def tileiras_env() -> dict[str, str]:
+    """The environment cuTile's JIT runs tileiras in, for running it ourselves: cuTile's PATH and
+    LD_LIBRARY_PATH, and for a pip-installed tileiras no CUDA_HOME or CUDA_PATH. With them set,
+    that tileiras reads the toolkit they name and fails ("failed to compile Tile IR program", exit
+    5) when it is another release: on the H200 host CUDA_HOME is /usr/local/cuda (13.0)."""
+    tileiras_path()
+    from cuda.tile._compile import _find_compiler_bin  # noqa: PLC0415
+    compiler = _find_compiler_bin()
+    env = dict(os.environ, PATH=compiler.bin_path, LD_LIBRARY_PATH=compiler.ld_path)
+    if not compiler.pass_cuda_home_var:
+        env.pop("CUDA_HOME", None)
+        env.pop("CUDA_PATH", None)
+    return env
 
 
 def require_gpu(x: torch.Tensor) -> None:

@@ -174,9 +174,9 @@ def _compile_task(args):
 
 
 def _code_task(args):
-    """The machine code (``variants.code_digest``) that a candidate plan compiles ``stage``'s
-    kernels to on ``target``, at the specializations its launches take (compiled on the CPU);
-    None when it cannot be told."""
+    """(code, None): the machine code (``variants.code_digest``) that a candidate plan compiles
+    ``stage``'s kernels to on ``target``, at the specializations its launches take (compiled on
+    the CPU); (None, why) when it cannot be told."""
     key, plan, stage, target = args
     try:
         digests = []
@@ -184,11 +184,11 @@ def _code_task(args):
             if name in STAGE_KERNELS[stage]:
                 result = compile_variant(Variant(name, cfg, signature, ("tune",)), target)
                 if not result.ok:
-                    return None
+                    return None, f"{name}: {result.error.strip()}"
                 digests.append(result.code_digest)
-        return "+".join(digests)
-    except Exception:  # noqa: BLE001 - a candidate whose code is unknown is timed on its own
-        return None
+        return "+".join(digests), None
+    except Exception as exc:  # noqa: BLE001 - a candidate whose code is unknown is timed on its own
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def same_code_as(codes: list) -> list[int]:
@@ -209,8 +209,13 @@ def _search(shape, chunk_size, stage, pool, inputs, plan, dt, cumsum, states):
     if target in TARGETS:
         problem = _pipeline(inputs, chunk_size).problem
         key = ssd.ProblemKey.from_problem(problem, varlen=False, wide=plan.out.wide)
-        codes = list(pool.map(_code_task, [(key, with_candidate(plan, stage, c), stage, target)
-                                           for c in cands]))
+        codes, whys = zip(*pool.map(_code_task, [(key, with_candidate(plan, stage, c), stage,
+                                                  target) for c in cands]))
+        unknown = [why for why in whys if why]
+        if unknown:
+            print(f"{shape} {stage}: the code of {len(unknown)} of {len(cands)} candidates is "
+                  f"unknown, so each of those is timed on its own; the first reason: "
+                  f"{unknown[0][-400:]}", flush=True)
     twins = same_code_as(codes)
     firsts = [i for i, twin in enumerate(twins) if twin == i]
     errors = dict(zip(firsts, pool.map(_compile_task, [(shape, chunk_size, stage, cands[i], None)

@@ -50,7 +50,7 @@ import torch
 from cuda.tile.compilation import ArrayConstraint, KernelSignature, export_kernel
 
 from kernels.contract import SSDProblem
-from kernels.device import tileiras_path
+from kernels.device import tileiras_env, tileiras_path
 from kernels.ssd import DEFAULT_CHUNK_SIZE, ProblemKey, StagePipeline, make_plan
 from kernels.tile_ops import kernel_signature, launch_constraint
 
@@ -334,7 +334,8 @@ def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -
             command = [tileiras_path(), source, "--gpu-name", target, *TILEIRAS_FLAGS, "-o", cubin]
             if target == REMARK_TARGET:
                 command += ["--remark-format=command-line", "--remarks=all"]
-            run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            run = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                                 env=tileiras_env())
             if run.returncode != 0:
                 result.error = (run.stderr or run.stdout)[-4000:]
             elif not os.path.getsize(cubin):

@@ -16,8 +16,8 @@ import torch
 
 from kernels import ssd
 from kernels.tile_ops import CT_DTYPE
-from kernels.variants import (COVERING_KEYS, TARGETS, compile_all, covering_variants,
-                              recorded_launches, violations)
+from kernels.variants import (COVERING_KEYS, TARGETS, compile_all, compile_variant,
+                              covering_variants, recorded_launches, violations)
 from kernels.gpu_report import ANCHORS
 from properties.problems import ProblemSpec, build_problem
 
@@ -187,13 +187,22 @@ def test_tma_check_catches_what_contiguous_signatures_lose():
     """Compiled from what any contiguous tensor guarantees (a config's own ``signature()``) the
     first anchor's compute_out reads strided tiles without TMA, and the check says so; from the
     launch's signature every tile moves by TMA."""
-    from kernels.variants import compile_variant
     variant = next(v for v in VARIANTS
                    if v.kernel == "compute_out" and "anchor-b8-L4096-h64" in v.recipes)
     assert violations(variant, compile_variant(variant, "sm_90")) == []
     contiguous = replace(variant, signature=variant.config.signature())
     problems = violations(contiguous, compile_variant(contiguous, "sm_90"))
     assert problems and all("no TMA at" in p for p in problems), problems
+
+
+def test_compiles_where_cuda_home_names_another_toolkit(monkeypatch, tmp_path):
+    """The H200 host sets CUDA_HOME to its CUDA 13.0 toolkit; the pip tileiras reads the toolkit
+    CUDA_HOME names and failed there, so the tuner's code digests came back unknown. We run it
+    as cuTile's JIT does, without CUDA_HOME (here an empty toolkit stands in for the other one)."""
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    result = compile_variant(VARIANTS[0], "sm_90")
+    assert result.ok, result.error
 
 
 def test_anchor_shapes_pick_compiled_variants():

@@ -237,10 +237,11 @@ def test_candidates_with_the_same_code_are_timed_once():
     key = _anchor(8, 4096, 64, 1, has_d=True)
     plan = ssd.make_plan(key)
     codes = [tune._code_task((key, tune.with_candidate(plan, "compute_out", dict(
-        transposed=transposed, ordered_loads=ordered)), "compute_out", "sm_90"))
+        transposed=transposed, ordered_loads=ordered)), "compute_out", "sm_90"))[0]
         for transposed in (False, True) for ordered in (False, True)]
     assert None not in codes and tune.same_code_as(codes) == [0, 0, 2, 3]
-    assert tune._code_task((key, plan, "no such stage", "sm_90")) is None
+    assert tune._code_task((key, plan, "no such stage", "sm_90")) == (
+        None, "KeyError: 'no such stage'")
 
 
 def test_search_compiles_and_times_each_code_once(monkeypatch):
@@ -257,9 +258,9 @@ def test_search_compiles_and_times_each_code_once(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
     monkeypatch.setattr(tune, "_pipeline", lambda inputs, chunk_size, plan=None: SimpleNamespace(
         problem=launch_problem(key), plan=plan))
-    monkeypatch.setattr(tune, "_code_task", lambda args: codes[
-        args[1].out.transposed, args[1].out.latency] if args[1].out.ordered_loads or
-        not args[1].out.transposed else None)
+    monkeypatch.setattr(tune, "_code_task", lambda args: (codes[
+        args[1].out.transposed, args[1].out.latency], None) if args[1].out.ordered_loads or
+        not args[1].out.transposed else (None, "unknown here"))
     monkeypatch.setattr(tune, "_compile_task", lambda args: compiled.append(args[3]))
     monkeypatch.setattr(tune, "_stage_call", lambda pipeline, *a: pipeline.plan.out)
     monkeypatch.setattr(tune, "time_ms",
