@@ -117,6 +117,11 @@ QUICK_CASES = (
          seqlen=1000, chunk_size=128, D="head"),
     case("bf16-2xbf16-L1000-Q256-Dhead-z", precision="2xbf16", x_dtype="bf16", bc_dtype="bf16",
          seqlen=1000, chunk_size=256, D="head", z=True),
+    # The fp16 splits (scaled fp16 terms), at fp16's default's cells.
+    case("fp16-2xfp16-L1000-Q256-Dhead-z", precision="2xfp16", x_dtype="fp16", bc_dtype="fp16",
+         seqlen=1000, chunk_size=256, D="head", z=True),
+    case("fp16-3xfp16-large-magnitude-L1000-init", precision="3xfp16", x_dtype="fp16",
+         bc_dtype="fp16", regime="large_magnitude", seqlen=1000, initial_states=True),
     case("bf16x-fp32bc-3xbf16-L1000-init", precision="3xbf16", x_dtype="bf16", seqlen=1000,
          initial_states=True),
     case("bf16-bf16states-L1000-Q128-init", chunk_state_dtype="bf16", x_dtype="bf16",

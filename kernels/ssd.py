@@ -50,7 +50,14 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     takes fp16 x too (widened, cut in bf16 terms): the H200 grid's fp16 cases passed with it as
     their default (21b71eb) and the tuner took the first anchor's states and compute_out to
     3.43 ms with it (experiments/tune_21b71eb_fp16_3xbf16.json), but no run has timed it beside
-    "3xtf32", so it stays an opt-in.
+    "3xtf32", so it stays an opt-in. "2xfp16" and "3xfp16" (fp16 x only; kernels/tile_ops.py) cut
+    the computed operands, scaled per row by a power of two, into 2 or 3 fp16 terms against the
+    raw fp16 ones: fp16 tensor cores with 16-bit operands in shared memory, where the TF32
+    terms of "3xtf32" are 32-bit; their chunk-state matmul runs in 3 such terms. At the first
+    anchor in fp16 the H200 took 2.06 ms for compute_out in "3xtf32", 0.72 in "input" and 1.41
+    in "tf32" (one MMA; experiments/tune_b3ee563_fp16.json): the MMA count and the operand bytes
+    are the cost. The CPU model puts both at "3xtf32"'s accuracy on the envelope's fp16 cells
+    (tests/test_precision_model.py). Opt-ins until the H200 has timed them and run the grid.
   In every 16-bit mode the chunk-state matmul (whose result, final_states, is float32) splits its
   float32 operand in three terms against the exact 16-bit one: float32-grade states at 3 MMAs of
   a small matmul. The terms are bf16 in the bf16 split modes and for bf16 x in 'input', TF32
@@ -144,10 +151,20 @@ AUTO_PRECISION = {torch.float32: "3xbf16", torch.bfloat16: "input", torch.float1
 SHARED_SCORES_MIN_HEADS = 8
 # Modes that cut float32 MMA operands into bf16 terms (kernels/tile_ops.py): 2xbf16 for bf16 x
 # (against raw bf16 operands), 3xbf16 for any x (fp16 and float32 operands are cut too). Their
-# chunk-state matmul runs 3xbf16.
+# chunk-state matmul runs 3xbf16. The fp16 splits cut them, scaled, into fp16 terms against raw
+# fp16 operands; their chunk-state matmul runs 3xfp16.
 BF16_SPLITS = ("2xbf16", "3xbf16")
-BF16_SPLIT_X_DTYPES = {"2xbf16": (torch.bfloat16,),
-                       "3xbf16": (torch.bfloat16, torch.float16, torch.float32)}
+FP16_SPLITS = ("2xfp16", "3xfp16")
+# x dtypes each split mode takes, and what it does with them (for the error a mismatch gets).
+SPLIT_X_DTYPES = {
+    "2xbf16": ((torch.bfloat16,), "it multiplies raw bf16 operands by float32 ones cut into bf16 "
+                                  "terms; '3xbf16' cuts both and takes any x"),
+    "3xbf16": ((torch.bfloat16, torch.float16, torch.float32), ""),
+    "2xfp16": ((torch.float16,), "it multiplies raw fp16 operands by float32 ones cut into scaled "
+                                 "fp16 terms"),
+    "3xfp16": ((torch.float16,), "it multiplies raw fp16 operands by float32 ones cut into scaled "
+                                 "fp16 terms"),
+}
 
 
 @dataclass(frozen=True)
@@ -241,13 +258,11 @@ def resolve_precision(precision: Optional[str], x_dtype: torch.dtype) -> str:
         raise SSDInputError("precision: expected 'input' only with bf16/fp16 x (it rounds MMA "
                             "operands to x's 16-bit dtype), got 'input' with float32 x; use "
                             "'tf32' for a fast float32 mode")
-    allowed = BF16_SPLIT_X_DTYPES.get(precision, (x_dtype,))
+    allowed, why = SPLIT_X_DTYPES.get(precision, ((x_dtype,), ""))
     if x_dtype not in allowed:
         names = " or ".join(str(d).replace("torch.", "") for d in allowed)
-        raise SSDInputError(f"precision: expected {precision!r} only with {names} x (it multiplies "
-                            f"raw bf16 operands by float32 ones cut into bf16 terms; '3xbf16' "
-                            f"cuts both and takes any x), got it with "
-                            f"{str(x_dtype).replace('torch.', '')} x")
+        raise SSDInputError(f"precision: expected {precision!r} only with {names} x ({why}), got "
+                            f"it with {str(x_dtype).replace('torch.', '')} x")
     return precision
 
 
@@ -267,9 +282,11 @@ def state_precision(mode: str, x_dtype: torch.dtype) -> str:
     operand; at (8, 4096, 64 heads) the states stage took 0.54 ms this way against 0.87 ms in
     three TF32 terms at the same tiles, reports/h200/experiments/tune_21181f8_gpu0.json; over the
     H200 envelope's bf16 cells the states errors changed by 0.72x to 1.01x, the worst unchanged),
-    the user's mode for float32 x."""
+    in three scaled fp16 terms in the fp16 splits, the user's mode for float32 x."""
     if mode in BF16_SPLITS or (mode == "input" and x_dtype == torch.bfloat16):
         return "3xbf16"
+    if mode in FP16_SPLITS:
+        return "3xfp16"
     return "3xtf32" if x_dtype != torch.float32 and mode in ("tf32", "input") else mode
 
 
@@ -560,7 +577,8 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     takes DEFAULT_CHUNK_SIZE; supported: 64, 128, 256. headdim and dstate up to 256. Inputs may be
     non-contiguous (the kernels read through strides). state_dtype: dtype of the stored chunk
     states (default: x's dtype in 'input', else float32); precision: 'auto' (default), 'ieee',
-    '3xtf32', 'tf32', 'input', '2xbf16' or '3xbf16' (see the module docstring).
+    '3xtf32', 'tf32', 'input', '2xbf16', '3xbf16', '2xfp16' or '3xfp16' (see the module
+    docstring).
     """
     problem = validate(x, dt, A, B, C, DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,
                        D=D, z=z, dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,

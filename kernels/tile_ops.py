@@ -25,6 +25,14 @@ Precision modes (``ct.mma`` operands; accumulation is always float32):
             An fp16 operand goes the same way: its 11 bits are exact in two bf16 terms (the
             third is 0) and bf16 has float32's range, where fp16 terms would overflow past 65504.
             2xbf16 falls back to the 3xtf32 split where neither operand is raw bf16.
+    2xfp16  for fp16 inputs: against a raw fp16 operand, the float32 one is scaled by a power of
+            two per row (or column) of the product, putting its largest magnitude there in
+            [2^14, 2^15), and cut into 2 fp16 terms: each element to ~2^-22 of its row's largest
+            (fp16 subnormals lose relative bits only far below it), no overflow (unscaled fp16
+            terms overflow past 65504). 2 fp16 MMAs, which keep 16-bit bytes and layouts as
+            2xbf16's do, in a fresh accumulator scaled back exactly (powers of two).
+    3xfp16  the same in 3 fp16 terms (~2^-33 of the row's largest: float32-grade).
+            Both fall back to the 3xtf32 split where neither operand is raw fp16.
 
 Where both operands are cut (two float32 ones in 3xtf32; two that are not raw bf16 in 3xbf16),
 the product is summed in a fresh accumulator and added to the running one in float32
@@ -56,10 +64,14 @@ LOG2_E = math.log2(math.e)
 # Every kernel treats softplus(v) as v above this (e^-20 ~ 2e-9 absolute), as the contract allows.
 SOFTPLUS_IDENTITY_THRESHOLD = 20.0
 
-PRECISIONS = ("ieee", "3xtf32", "tf32", "input", "2xbf16", "3xbf16")
+PRECISIONS = ("ieee", "3xtf32", "tf32", "input", "2xbf16", "3xbf16", "2xfp16", "3xfp16")
 MODE = {name: i for i, name in enumerate(PRECISIONS)}
-(MODE_IEEE, MODE_3XTF32, MODE_TF32, MODE_INPUT, MODE_2XBF16,
- MODE_3XBF16) = (MODE[p] for p in PRECISIONS)
+(MODE_IEEE, MODE_3XTF32, MODE_TF32, MODE_INPUT, MODE_2XBF16, MODE_3XBF16, MODE_2XFP16,
+ MODE_3XFP16) = (MODE[p] for p in PRECISIONS)
+# The fp16 splits' scaling: float32's exponent bits, and the smallest power of two a row's
+# largest magnitude is taken as (an all-zero row; 2^14 / 2^-110 stays finite).
+FLOAT32_EXPONENT_BITS = 0x7F800000
+SCALE_FLOOR = 2.0**-110
 
 CT_DTYPE = {torch.float32: ct.float32, torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,
             torch.int32: ct.int32, torch.int64: ct.int64}
@@ -164,7 +176,7 @@ def is_16bit(t):
 
 @ct.function
 def _round(a, DTYPE: ct.Constant):
-    """float32 ``a`` rounded to nearest in DTYPE (tfloat32 or bfloat16)."""
+    """float32 ``a`` rounded to nearest in DTYPE (tfloat32, bfloat16 or float16)."""
     return a.astype(DTYPE, rounding_mode=ct.RoundingMode.RN)
 
 
@@ -184,8 +196,9 @@ def _oriented_mma(exact, term, acc, EXACT_LEFT: ct.Constant[bool]):
 
 @ct.function
 def _terms(a, DTYPE: ct.Constant):
-    """(hi, mid, lo): float32 ``a`` cut in 3 terms of DTYPE (tfloat32 or bfloat16), each rounded
-    to nearest from what the earlier ones left: 11 more bits per TF32 term, 8 per bf16 term."""
+    """(hi, mid, lo): float32 ``a`` cut in 3 terms of DTYPE (tfloat32, bfloat16 or float16),
+    each rounded to nearest from what the earlier ones left: 11 more bits per TF32 or fp16 term
+    (fp16's in its normal range), 8 per bf16 term."""
     hi = _round(a, DTYPE)
     rest = a - hi.astype(ct.float32)
     mid = _round(rest, DTYPE)
@@ -204,6 +217,26 @@ def _exact_times_split(exact, split_me, acc, EXACT_LEFT: ct.Constant[bool], DTYP
         acc = _oriented_mma(e, lo, acc, EXACT_LEFT)
     acc = _oriented_mma(e, mid, acc, EXACT_LEFT)
     return _oriented_mma(e, hi, acc, EXACT_LEFT)
+
+
+@ct.function
+def _exact_times_scaled_split(exact, split_me, acc, EXACT_LEFT: ct.Constant[bool],
+                              TERMS: ct.Constant[int]):
+    """acc + exact @ split_me (or split_me @ exact), ``exact`` raw fp16: ``split_me`` (float32)
+    scaled by 2^14 / 2^floor(log2(largest |element|)) per column (row without EXACT_LEFT) of the
+    product, cut into TERMS (2 or 3) fp16 terms (``_terms``), multiplied in a fresh accumulator
+    and scaled back."""
+    largest = ct.max(ct.abs(split_me), axis=0 if EXACT_LEFT else 1, keepdims=True)
+    power = ct.bitcast(ct.bitcast(ct.maximum(largest, SCALE_FLOOR), ct.int32)
+                       & FLOAT32_EXPONENT_BITS, ct.float32)
+    e = exact.astype(ct.float16)
+    hi, mid, lo = _terms(split_me * (2.0**14 / power), ct.float16)
+    product = ct.zeros(acc.shape, dtype=ct.float32)
+    if TERMS == 3:
+        product = _oriented_mma(e, lo, product, EXACT_LEFT)
+    product = _oriented_mma(e, mid, product, EXACT_LEFT)
+    product = _oriented_mma(e, hi, product, EXACT_LEFT)
+    return acc + product * (power * 2.0**-14)
 
 
 @ct.function
@@ -241,6 +274,12 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
     elif (MODE == MODE_2XBF16 or MODE == MODE_3XBF16) and b.dtype == ct.bfloat16:
         acc = _exact_times_split(b, a.astype(ct.float32), acc, False, ct.bfloat16,
                                  2 if MODE == MODE_2XBF16 else 3)
+    elif (MODE == MODE_2XFP16 or MODE == MODE_3XFP16) and a.dtype == ct.float16:
+        acc = _exact_times_scaled_split(a, b.astype(ct.float32), acc, True,
+                                        2 if MODE == MODE_2XFP16 else 3)
+    elif (MODE == MODE_2XFP16 or MODE == MODE_3XFP16) and b.dtype == ct.float16:
+        acc = _exact_times_scaled_split(b, a.astype(ct.float32), acc, False,
+                                        2 if MODE == MODE_2XFP16 else 3)
     elif MODE == MODE_3XBF16:
         # Both operands cut: a fresh accumulator (module docstring).
         acc = acc + _split_times_split(a, b, ct.zeros(acc.shape, dtype=ct.float32))

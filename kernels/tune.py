@@ -96,8 +96,8 @@ STAGE_KERNELS = {"chunk_state": ("chunk_state",), "state_passing": ("state_passi
                  "compute_out": ("chunk_scores", "compute_out")}
 FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
 # What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
-PRECISION_PROBES = {"chunk_state": ("3xtf32", "tf32", "input", "3xbf16"),
-                    "compute_out": ("tf32", "input", "2xbf16", "3xbf16")}
+PRECISION_PROBES = {"chunk_state": ("3xtf32", "tf32", "input", "3xbf16", "3xfp16"),
+                    "compute_out": ("tf32", "input", "2xbf16", "3xbf16", "2xfp16", "3xfp16")}
 
 
 def parse_shape(text: str) -> tuple:

@@ -58,7 +58,7 @@ TARGETS = ("sm_80", "sm_90", "sm_100")
 REMARK_TARGET = "sm_90"
 # cuTile's compile flags for a kernel with default options (cuda/tile/_compile.py: compile_cubin).
 TILEIRAS_FLAGS = ("-O3", "--lineinfo")
-TENSOR_CORE_PRECISIONS = ("3xtf32", "tf32", "input", "2xbf16", "3xbf16")
+TENSOR_CORE_PRECISIONS = ("3xtf32", "tf32", "input", "2xbf16", "3xbf16", "2xfp16", "3xfp16")
 MMA_KERNELS = ("chunk_state", "chunk_scores", "compute_out")
 
 f32, bf16, f16, i32, i64 = torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
@@ -115,6 +115,10 @@ COVERING_KEYS = (
                                                 c_dtype=f32), f32, "3xbf16"),
     ("fp16-anchor-b8-L4096-h64-3xbf16", _anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16,
                                                 c_dtype=f16), f32, "3xbf16"),
+    ("fp16-anchor-b8-L4096-h64-2xfp16", _anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16,
+                                                c_dtype=f16), f32, "2xfp16"),
+    ("fp16x-bf16b-fp16c-q128-3xfp16", _small(f16, (bf16, f16), 128, 8, 64, 16, 4, z_dtype=f16,
+                                             has_d=True), f32, "3xfp16"),
     ("fp16x-bf16b-fp16c-q128-3xbf16", _small(f16, (bf16, f16), 128, 8, 64, 16, 4, z_dtype=f16,
                                              has_d=True), f32, "3xbf16"),
     ("fp32x-bf16bc-q64-3xbf16-packed", _small(f32, bf16, 64, 8, 64, 32, 2, z_dtype=f32,
@@ -123,6 +127,9 @@ COVERING_KEYS = (
     # A tuner knob the dispatcher picks only from a table or a user's cache: compiled here too.
     ("anchor-b8-L4096-h64-out-transposed", _anchor(8, 4096, 64, 1), f32, None,
      {"out": {"transposed": True}}),
+    ("fp16-anchor-b8-L4096-h64-2xfp16-transposed", _anchor(8, 4096, 64, 1, x_dtype=f16,
+                                                           b_dtype=f16, c_dtype=f16), f32,
+     "2xfp16", {"out": {"transposed": True}, "chunk_state": {"transposed": True}}),
     ("anchor-b8-L4096-h64-out-latency", _anchor(8, 4096, 64, 1), None, None,
      {"out": {"latency": 2}}),
     ("anchor-b8-L4096-h64-out-occupancy4", _anchor(8, 4096, 64, 1), None, None,

@@ -55,7 +55,8 @@ def test_covering_set_covers_every_value():
     assert seen(lambda k, s, p: k.chunk_size) >= set(ssd.SUPPORTED_CHUNK_SIZES)
     assert seen(lambda k, s, p: k.headdim) >= {32, 64, 128}
     assert seen(lambda k, s, p: k.dstate) >= {16, 32, 64, 128, 256}
-    assert seen(lambda k, s, p: p) >= {"ieee", "3xtf32", "tf32", "input", "2xbf16", "3xbf16"}
+    assert seen(lambda k, s, p: p) >= {"ieee", "3xtf32", "tf32", "input", "2xbf16", "3xbf16",
+                                       "2xfp16", "3xfp16"}
     for flag in ("has_d", "has_bias", "softplus", "has_limit", "per_seq_start", "varlen"):
         assert seen(lambda k, s, p: getattr(k, flag)) == {False, True}, flag
     assert seen(lambda k, s, p: k.z_dtype is not None) == {False, True}

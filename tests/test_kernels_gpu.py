@@ -17,7 +17,7 @@ from kernels.contract import SSDInputError, validate
 from kernels.device import CuTileUnavailable, tileiras_path
 from kernels.gpu_check import (FULL_GRID_ENV, check_case, check_int64_case, grid,
                                int64_problem_bytes)
-from kernels.ssd import resolve_precision, ssd_forward, ssd_forward_stages
+from kernels.ssd import resolve_precision, ssd_forward, ssd_forward_stages, state_precision
 from properties.problems import ProblemSpec, build_problem
 from properties.tolerances import relation_tolerance
 
@@ -101,7 +101,7 @@ def _with_knobs(problem, precision, field: str, knobs: dict):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("x_dtype, precision", [("bf16", None), ("bf16", "2xbf16"),
-                                                ("fp32", None)])
+                                                ("fp16", "2xfp16"), ("fp32", None)])
 @pytest.mark.parametrize("knobs", [dict(transposed=True), dict(shared_scores=True),
                                    dict(ordered_loads=True),
                                    dict(shared_scores=True, ordered_loads=True, transposed=True),
@@ -219,6 +219,8 @@ def test_cpu_tensors_or_missing_cuda_raise_clear_errors():
     (dict(precision="input"), "precision: expected 'input' only with bf16/fp16 x"),
     (dict(precision="2xbf16"), "precision: expected '2xbf16' only with bfloat16 x .* got it "
                                "with float32 x"),
+    (dict(precision="2xfp16"), "precision: expected '2xfp16' only with float16 x .* got it "
+                               "with float32 x"),
     (dict(precision="fp8"), "precision: expected 'auto' or one of"),
     (dict(state_dtype=torch.int8), "state_dtype: expected one of"),
 ])
@@ -235,6 +237,16 @@ def test_3xbf16_takes_every_x_dtype_and_2xbf16_only_bf16():
         with pytest.raises(SSDInputError, match="expected '2xbf16' only with bfloat16 x .*"
                                                 f"'3xbf16' cuts both .* got it with {name} x"):
             resolve_precision("2xbf16", dtype)
+
+
+def test_the_fp16_splits_take_only_fp16_x_and_keep_float32_grade_states():
+    for mode in ("2xfp16", "3xfp16"):
+        assert resolve_precision(mode, torch.float16) == mode
+        assert state_precision(mode, torch.float16) == "3xfp16"
+        for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+            with pytest.raises(SSDInputError, match=f"expected '{mode}' only with float16 x "
+                                                    f".*scaled fp16 terms.* got it with {name} x"):
+                resolve_precision(mode, dtype)
 
 
 def test_unsupported_dstate_raises_clear_error():
