@@ -59,7 +59,11 @@ each, 0.717 vs 0.689 ms at the first anchor, 1.429 vs 1.408 at the third, 4.10 v
 elementwise work it saves is not what bounds this kernel. Reading x_i, D and z before the
 products rather than after them took the first anchor (D per head) from 0.764 to 0.723 ms, with z
 and D per channel from 1.003 to 0.956, the third anchor from 1.501 to 1.411, outputs bit for bit
-the same (experiments/ab_compute_out_prefetch_abdd947.txt).
+the same (experiments/ab_compute_out_prefetch_abdd947.txt). The occupancy hint 3 at row block 64
+compiles the first anchor's kernel to 80 registers and 72 KB of shared memory (three blocks per
+SM; 128 and 108 KB at occupancy 2): in the tuner 0.585 against 0.722 ms there and 0.315 against
+0.401 at the second anchor (experiments/tune_b3ee563_compute_out_anchor*.json), the tables'
+choice for 16-bit x since; the latency hint at occupancy 2 gained nothing (0.747, 0.401).
 """
 from __future__ import annotations
 
