@@ -49,15 +49,17 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     first anchor in fp16 it ran at 0.32x mamba_ssm's speed (untuned; bench, c091e22). "3xbf16"
     takes fp16 x too (widened, cut in bf16 terms): the H200 grid's fp16 cases passed with it as
     their default (21b71eb) and the tuner took the first anchor's states and compute_out to
-    3.43 ms with it (experiments/tune_21b71eb_fp16_3xbf16.json), but no run has timed it beside
-    "3xtf32", so it stays an opt-in. "2xfp16" and "3xfp16" (fp16 x only; kernels/tile_ops.py) cut
-    the computed operands, scaled per row by a power of two, into 2 or 3 fp16 terms against the
-    raw fp16 ones: fp16 tensor cores with 16-bit operands in shared memory, where the TF32
-    terms of "3xtf32" are 32-bit; their chunk-state matmul runs in 3 such terms. At the first
-    anchor in fp16 the H200 took 2.06 ms for compute_out in "3xtf32", 0.72 in "input" and 1.41
-    in "tf32" (one MMA; experiments/tune_b3ee563_fp16.json): the MMA count and the operand bytes
-    are the cost. The CPU model puts both at "3xtf32"'s accuracy on the envelope's fp16 cells
-    (tests/test_precision_model.py). Opt-ins until the H200 has timed them and run the grid.
+    3.43 ms with it (experiments/tune_21b71eb_fp16_3xbf16.json); timed beside "3xtf32" in one
+    search (experiments/tune_b3ee563_fp16.json) it was slower, compute_out 2.17 against 2.06 ms
+    and the states stage 1.05 against 0.79 at the best tiles, so it stays an opt-in. "2xfp16" and
+    "3xfp16" (fp16 x only; kernels/tile_ops.py) cut the computed operands, scaled by a power of
+    two per row (or column) of the product, into 2 or 3 fp16 terms against the raw fp16 ones:
+    fp16 tensor cores with 16-bit operands in shared memory, where the TF32 terms of "3xtf32"
+    are 32-bit; their chunk-state matmul runs in 3 such terms. In that search compute_out took
+    2.06 ms in "3xtf32", 0.72 in "input" and 1.41 in "tf32" (one MMA): the MMA count and the
+    operand bytes are the cost. The CPU model puts both at "3xtf32"'s accuracy on the
+    envelope's fp16 cells (tests/test_precision_model.py). Opt-ins until the H200 has timed
+    them and run the grid.
   In every 16-bit mode the chunk-state matmul (whose result, final_states, is float32) splits its
   float32 operand in three terms against the exact 16-bit one: float32-grade states at 3 MMAs of
   a small matmul. The terms are bf16 in the bf16 split modes and for bf16 x in 'input', TF32
@@ -156,14 +158,14 @@ SHARED_SCORES_MIN_HEADS = 8
 BF16_SPLITS = ("2xbf16", "3xbf16")
 FP16_SPLITS = ("2xfp16", "3xfp16")
 # x dtypes each split mode takes, and what it does with them (for the error a mismatch gets).
+_FP16_SPLIT = ((torch.float16,), "it multiplies raw fp16 operands by float32 ones cut into scaled "
+                                 "fp16 terms")
 SPLIT_X_DTYPES = {
     "2xbf16": ((torch.bfloat16,), "it multiplies raw bf16 operands by float32 ones cut into bf16 "
                                   "terms; '3xbf16' cuts both and takes any x"),
     "3xbf16": ((torch.bfloat16, torch.float16, torch.float32), ""),
-    "2xfp16": ((torch.float16,), "it multiplies raw fp16 operands by float32 ones cut into scaled "
-                                 "fp16 terms"),
-    "3xfp16": ((torch.float16,), "it multiplies raw fp16 operands by float32 ones cut into scaled "
-                                 "fp16 terms"),
+    "2xfp16": _FP16_SPLIT,
+    "3xfp16": _FP16_SPLIT,
 }
 
 
