@@ -201,11 +201,13 @@ def same_code_as(codes: list) -> list[int]:
 def _search(shape, chunk_size, stage, pool, inputs, plan, dt, cumsum, states):
     """(rows, best): every fitting candidate of ``stage`` timed on ``plan``'s other stages, once
     per distinct machine code: a candidate that compiles to an earlier one's code (a knob that
-    changes nothing at this shape) takes its time, with ``same_code_as`` naming it."""
+    changes nothing at this shape) takes its time, with ``same_code_as`` naming it; one whose
+    code could not be told is timed on its own, ``code_unknown`` saying why."""
     cands = [c for c in CANDIDATES[stage] if fits(c, shape, chunk_size)]
     major, minor = torch.cuda.get_device_capability()
     target = f"sm_{major}{minor}"
     codes = [None] * len(cands)
+    whys = [f"no CPU compile for {target}"] * len(cands)
     if target in TARGETS:
         problem = _pipeline(inputs, chunk_size).problem
         key = ssd.ProblemKey.from_problem(problem, varlen=False, wide=plan.out.wide)
@@ -223,6 +225,8 @@ def _search(shape, chunk_size, stage, pool, inputs, plan, dt, cumsum, states):
     rows = []
     for i, cand in enumerate(cands):
         row = dict(cand)
+        if whys[i]:
+            row["code_unknown"] = whys[i][-300:]
         if twins[i] != i:
             row.update({k: v for k, v in rows[twins[i]].items() if k in ("ms", "error")},
                        same_code_as=twins[i])
@@ -266,7 +270,7 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES),
             best["ms"] = time_ms(_stage_call(_pipeline(inputs, chunk_size, plan), stage, dt, cumsum,
                                              states), reps=7)
         record["best"][stage] = best
-        plan = with_candidate(plan, stage, {k: best[k] for k in best if k != "ms"})
+        plan = with_candidate(plan, stage, _tiles(stage, best))
         # Each probed mode at the PROBED_CANDIDATES fastest candidates of the search, or at the
         # dispatcher's choice.
         timed = sorted((r for r in record["stages"].get(stage, [])

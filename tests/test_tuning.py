@@ -271,9 +271,15 @@ def test_search_compiles_and_times_each_code_once(monkeypatch):
     # Untransposed: ordered or not, one code per latency. Transposed: unknown unless ordered,
     # then one code for both latencies.
     assert [r.get("same_code_as") for r in rows] == [None, None, 0, 1, None, None, None, 6]
+    assert [r.get("code_unknown") for r in rows] == [None] * 4 + ["unknown here"] * 2 + [None] * 2
     assert len(compiled) == len(timed) == 5
     assert [round(r["ms"], 6) for r in rows] == [0.9, 0.8, 0.9, 0.8, 0.7, 0.6, 0.5, 0.5]
     assert best is rows[6]
+    # What tune_shape carries on to the next stage's search: the knobs, not the annotations.
+    rows[6]["code_unknown"] = "annotated"
+    carried = tune.with_candidate(ssd.make_plan(key), "compute_out",
+                                  tune._tiles("compute_out", rows[6])).out
+    assert (carried.transposed, carried.ordered_loads, carried.latency) == (True, True, 0)
 
 
 def test_tuner_candidates_respect_the_problem_sizes():
