@@ -296,6 +296,7 @@ class ComputeOutConfig(KernelVariant):
     latency: int = 0
     wide: bool = False
     occupancy: int | None = None
+    worker_warps: int | None = None     # tile_ops.with_hints; None: the compiler's (4)
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_pad,
@@ -322,7 +323,7 @@ class ComputeOutConfig(KernelVariant):
                 f"per_seq_start={self.per_seq_start} transposed={self.transposed} "
                 f"shared_scores={self.shared_scores} ordered_loads={self.ordered_loads} "
                 f"latency={self.latency} "
-                f"int64={self.wide} occupancy={self.occupancy}")
+                f"int64={self.wide} occupancy={self.occupancy} worker_warps={self.worker_warps}")
 
 
 @dataclass

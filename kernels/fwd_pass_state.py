@@ -242,6 +242,7 @@ class ChunkStateConfig(KernelVariant):
     latency: int = 0          # the x and B loads' latency hint; 0: the compiler's inference
     wide: bool = False
     occupancy: int | None = None
+    worker_warps: int | None = None     # tile_ops.with_hints; None: the compiler's (4)
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_block,
@@ -264,7 +265,8 @@ class ChunkStateConfig(KernelVariant):
                 f"{self.precision} seq={self.has_seq} "
                 f"per_seq_start={self.per_seq_start} varlen={self.varlen} "
                 f"transposed={self.transposed} ordered_loads={self.ordered_loads} "
-                f"latency={self.latency} int64={self.wide} occupancy={self.occupancy}")
+                f"latency={self.latency} int64={self.wide} occupancy={self.occupancy} "
+                f"worker_warps={self.worker_warps}")
 
 
 @dataclass(frozen=True)

@@ -341,19 +341,27 @@ def index_variants(fn, wide_params: tuple[str, ...]) -> dict[bool, ct.kernel]:
 
 
 @functools.lru_cache(maxsize=None)
-def with_occupancy(kernel, occupancy):
-    """``kernel`` with cuTile's occupancy hint (expected resident blocks per SM; None: the
-    compiler's choice). One object per pair, so each is compiled once per process."""
-    return kernel if occupancy is None else kernel.replace_hints(occupancy=occupancy)
+def with_hints(kernel, occupancy, worker_warps):
+    """``kernel`` with cuTile's occupancy hint (expected resident blocks per SM) and its
+    num_worker_warps hint (warps in the CUDA-core warp groups of a warp-specialized kernel; 4 or
+    8 with tileiras 13.4), None leaving either to the compiler. One object per combination, so
+    each is compiled once per process."""
+    hints = {name: value for name, value in (("occupancy", occupancy),
+                                             ("num_worker_warps", worker_warps))
+             if value is not None}
+    return kernel.replace_hints(**hints) if hints else kernel
 
 
 class KernelVariant:
     """What every kernel config shares: ``VARIANTS`` ({wide: kernel}, from ``index_variants``)
-    picked by the config's ``wide`` field and compiled with its ``occupancy`` hint."""
+    picked by the config's ``wide`` field and compiled with its ``occupancy`` hint, and with its
+    ``worker_warps`` hint where the config has one (the MMA kernels')."""
+
+    worker_warps = None
 
     @property
     def kernel(self):
-        return with_occupancy(self.VARIANTS[self.wide], self.occupancy)
+        return with_hints(self.VARIANTS[self.wide], self.occupancy, self.worker_warps)
 
 
 def array_constraint(dtype: torch.dtype, ndim: int, wide: bool = False) -> ArrayConstraint:

@@ -17,9 +17,9 @@ the accuracy grid (kernels/gpu_report.py) is run on the tuned table before it is
 Candidates compile in ``--jobs`` worker processes first (cuTile's disk cache then serves this
 process). Before that each candidate's stage kernels are compiled on the CPU at the
 specializations its launches take (``kernels.variants.launch_signatures``): candidates whose
-compiled kernel matches an earlier one's are timed once (at the first anchor the 32 compute_out
-candidates compile to 19 kernels: ``ordered_loads`` changes nothing untransposed there, nor the
-latency hint at row block 128; the 36 chunk_state candidates to 16).
+compiled kernel matches an earlier one's are timed once (at the first anchor the 40 compute_out
+candidates compile to 25 kernels: ``ordered_loads`` changes nothing untransposed there, nor the
+latency hint at row block 128; the 44 chunk_state candidates to 21).
 
 A user's own shapes (``--shape``, repeatable) are tuned the same way; ``--cache`` merges their
 winners into the per-user tuning cache (``kernels.ssd.tuning_cache_path()``), entries kept per GPU
@@ -57,19 +57,26 @@ CANDIDATES = {
     # B loads' latency hint set (sm_90 cubins differ with it: the kernel is latency-bound, 17%
     # occupancy in ncu, experiments/ncu_anchor0_6106f85.txt).
     "chunk_state": [dict(row_block=r, p_block=p, n_block=n, occupancy=o, transposed=t,
-                         ordered_loads=l, latency=0)
+                         ordered_loads=l, latency=0, worker_warps=None)
                     for (r, p, n, o), t, l in itertools.product(
                         ((64, 32, 128, 2), (64, 32, 64, 2), (128, 32, 64, 2), (64, 64, 128, 2)),
                         (False, True), (False, True))]
                    + [dict(row_block=64, p_block=64, n_block=128, occupancy=2, transposed=t,
-                           ordered_loads=l, latency=h)
+                           ordered_loads=l, latency=h, worker_warps=None)
                       for t, l, h in itertools.product((False, True), (False, True), (2, 6, 10))]
                    # Occupancy 3 at that block, with the table's hint and without: at the first
                    # anchor, transposed, one more code (80 registers and 73 KB of shared memory,
                    # against 128 and 110 KB at 2); untransposed, occupancy 2's codes (the search
                    # times each code once).
                    + [dict(row_block=64, p_block=64, n_block=128, occupancy=3, transposed=t,
-                           ordered_loads=l, latency=h)
+                           ordered_loads=l, latency=h, worker_warps=None)
+                      for t, l, h in itertools.product((False, True), (False, True), (0, 6))]
+                   # 8 worker warps instead of the compiler's 4 (384 threads, not 256): at the
+                   # first anchor's block 80 registers instead of 128 and the same ~112 KB of
+                   # shared memory, so two blocks per SM bring twice the warps to a
+                   # latency-bound kernel (CPU compile, sm_90).
+                   + [dict(row_block=64, p_block=64, n_block=128, occupancy=2, transposed=t,
+                           ordered_loads=l, latency=h, worker_warps=8)
                       for t, l, h in itertools.product((False, True), (False, True), (0, 6))],
     "state_passing": [dict(p_block=p, n_block=n, occupancy=o) for (p, n), o in
                       itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
@@ -82,11 +89,16 @@ CANDIDATES = {
     # block 64 it compiles to 80 registers and 72 KB of shared memory (3 blocks of 256 threads
     # fit an SM), against 128 and 108 KB at 2, where ncu found the kernel latency-bound
     # (experiments/ncu_anchor0_abdd947.txt).
+    # 8 worker warps too: at the first anchor's row block 64 and occupancy 3, 56 registers and
+    # 71 KB per block of 384 threads (80 and 72 KB at 256), so three blocks bring 24 worker warps
+    # to an SM instead of 12 (CPU compile, sm_90).
     "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, ordered_loads=l,
-                         latency=h)
-                    for (r, p, o, h), t, l in itertools.product(
-                        ((64, 64, 2, 0), (64, 64, 4, 0), (64, 32, 4, 0), (128, 64, 2, 0),
-                         (64, 64, 2, 2), (128, 64, 2, 2), (64, 64, 3, 0), (128, 64, 3, 0)),
+                         latency=h, worker_warps=w)
+                    for (r, p, o, h, w), t, l in itertools.product(
+                        ((64, 64, 2, 0, None), (64, 64, 4, 0, None), (64, 32, 4, 0, None),
+                         (128, 64, 2, 0, None), (64, 64, 2, 2, None), (128, 64, 2, 2, None),
+                         (64, 64, 3, 0, None), (128, 64, 3, 0, None), (64, 64, 3, 0, 8),
+                         (64, 64, 2, 0, 8)),
                         (False, True), (False, True))],
 }
 PROBED_CANDIDATES = 4

@@ -134,6 +134,8 @@ COVERING_KEYS = (
      {"out": {"latency": 2}}),
     ("anchor-b8-L4096-h64-out-occupancy4", _anchor(8, 4096, 64, 1), None, None,
      {"out": {"occupancy": 4}}),
+    ("anchor-b8-L4096-h64-worker-warps8", _anchor(8, 4096, 64, 1), None, None,
+     {"out": {"worker_warps": 8}, "chunk_state": {"worker_warps": 8}}),
     ("anchor-b4-L8192-h32-g8-shared-scores-ordered", _anchor(4, 8192, 32, 8), f32, None,
      {"out": {"shared_scores": True, "ordered_loads": True}}),
     ("fp32-q128-3xtf32-packed-shared-scores-transposed",

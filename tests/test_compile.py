@@ -67,6 +67,9 @@ def test_covering_set_covers_every_value():
     assert {v.config.latency for v in covering_variants() if v.kernel == "compute_out"} == {0, 2}
     assert {v.config.occupancy for v in covering_variants()
             if v.kernel == "compute_out"} >= {2, 3, 4}
+    for kernel in ("compute_out", "chunk_state"):
+        assert {v.config.worker_warps for v in covering_variants()
+                if v.kernel == kernel} == {None, 8}, kernel
     # Pairwise where it matters most: each precision mode with float32 and with 16-bit x.
     pairs = seen(lambda k, s, p: (p, k.x_dtype == torch.float32))
     assert pairs >= {("ieee", True), ("ieee", False), ("3xtf32", True), ("3xtf32", False),

@@ -107,14 +107,16 @@ def _with_knobs(problem, precision, field: str, knobs: dict):
                                    dict(shared_scores=True, ordered_loads=True, transposed=True),
                                    dict(ordered_loads=True, transposed=True),
                                    dict(shared_scores=True, latency=2),
-                                   dict(transposed=True, ordered_loads=True, latency=2)],
+                                   dict(transposed=True, ordered_loads=True, latency=2),
+                                   dict(occupancy=3, worker_warps=8),
+                                   dict(transposed=True, worker_warps=8)],
                          ids=lambda k: "+".join(k))
 def test_compute_out_tuner_knobs_compute_the_same_output(x_dtype, precision, knobs):
     """compute_out's tuner knobs change operand layouts (``transposed``: y^T = h C^T + x^T W^T),
     where the scores come from (``shared_scores``: kernels/chunk_scores.py), whether operands
-    are read transposed or transposed after loading (``ordered_loads``) and how the loads are
-    scheduled (``latency``), not the sums: the output agrees with the default kernel to a
-    rounding."""
+    are read transposed or transposed after loading (``ordered_loads``), how the loads are
+    scheduled (``latency``) and how many warps share the work (``occupancy``, ``worker_warps``),
+    not the sums: the output agrees with the default kernel to a rounding."""
     problem = _knob_problem(x_dtype)
     outs = []
     for changes in ({}, knobs):
@@ -131,12 +133,14 @@ def test_compute_out_tuner_knobs_compute_the_same_output(x_dtype, precision, kno
 @pytest.mark.parametrize("x_dtype, precision", [("bf16", None), ("bf16", "tf32"),
                                                 ("fp32", None)])
 @pytest.mark.parametrize("knobs", [dict(transposed=True), dict(ordered_loads=True),
-                                   dict(transposed=True, ordered_loads=True)],
+                                   dict(transposed=True, ordered_loads=True),
+                                   dict(worker_warps=8), dict(transposed=True, worker_warps=8)],
                          ids=lambda k: "+".join(k))
 def test_chunk_state_tuner_knobs_compute_the_same_states(x_dtype, precision, knobs):
     """chunk_state's tuner knobs (``transposed``: the increment accumulated as B^T x;
-    ``ordered_loads``) change layouts, not the sums: chunk, final and varlen states agree with
-    the default kernel's to float32 roundings."""
+    ``ordered_loads``; ``worker_warps``, how many warps share the work) change layouts and
+    schedules, not the sums: chunk, final and varlen states agree with the default kernel's to
+    float32 roundings."""
     problem = _knob_problem(x_dtype)
     results = []
     for changes in ({}, knobs):

@@ -40,8 +40,10 @@ def test_every_entry_fits_the_kernels_it_configures():
         for stage in tune.CANDIDATES:
             tiles = entry[stage]
             # Knobs the tuner gained after an entry was written hold their config default there.
-            defaults = {"compute_out": dict(transposed=False, ordered_loads=False, latency=0),
-                        "chunk_state": dict(transposed=False, ordered_loads=False, latency=0),
+            defaults = {"compute_out": dict(transposed=False, ordered_loads=False, latency=0,
+                                            worker_warps=None),
+                        "chunk_state": dict(transposed=False, ordered_loads=False, latency=0,
+                                            worker_warps=None),
                         }.get(stage, {})
             assert {**defaults, **tiles} in tune.CANDIDATES[stage], f"{stage}: {tiles}"
             assert key["chunk_size"] % tiles.get("row_block", 1) == 0
