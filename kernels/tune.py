@@ -19,7 +19,7 @@ process). Before that each candidate's stage kernels are compiled on the CPU at 
 specializations its launches take (``kernels.variants.launch_signatures``): candidates whose
 compiled kernel matches an earlier one's are timed once (at the first anchor the 40 compute_out
 candidates compile to 25 kernels: ``ordered_loads`` changes nothing untransposed there, nor the
-latency hint at row block 128; the 44 chunk_state candidates to 21).
+latency hint at row block 128; the 52 chunk_state candidates to 29).
 
 A user's own shapes (``--shape``, repeatable) are tuned the same way; ``--cache`` merges their
 winners into the per-user tuning cache (``kernels.ssd.tuning_cache_path()``), entries kept per GPU
@@ -77,7 +77,16 @@ CANDIDATES = {
                    # latency-bound kernel (CPU compile, sm_90).
                    + [dict(row_block=64, p_block=64, n_block=128, occupancy=2, transposed=t,
                            ordered_loads=l, latency=h, worker_warps=8)
-                      for t, l, h in itertools.product((False, True), (False, True), (0, 6))],
+                      for t, l, h in itertools.product((False, True), (False, True), (0, 6))]
+                   # Smaller blocks that hold 3-4 per SM where the tiles above hold 2 (CPU
+                   # compile, sm_90, first anchor): P block 32 at occupancy 3 (80 registers, 40
+                   # KB), 4 (64, 26 KB) or 3 with 8 worker warps (56 at 384 threads); N block 64
+                   # at occupancy 3 with 8 worker warps (56 registers, 69 KB).
+                   + [dict(row_block=64, p_block=p, n_block=n, occupancy=o, transposed=t,
+                           ordered_loads=False, latency=6, worker_warps=w)
+                      for (p, n, o, w), t in itertools.product(
+                          ((32, 128, 3, None), (32, 128, 4, None), (32, 128, 3, 8), (64, 64, 3, 8)),
+                          (False, True))],
     "state_passing": [dict(p_block=p, n_block=n, occupancy=o) for (p, n), o in
                       itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
                                         (None, 4, 8, 16))],
