@@ -17,8 +17,8 @@ the accuracy grid (kernels/gpu_report.py) is run on the tuned table before it is
 Candidates compile in ``--jobs`` worker processes first (cuTile's disk cache then serves this
 process). Before that each candidate's stage kernels are compiled on the CPU at the
 specializations its launches take (``kernels.variants.launch_signatures``): candidates whose
-compiled kernel matches an earlier one's are timed once (at the first anchor the 40 compute_out
-candidates compile to 25 kernels: ``ordered_loads`` changes nothing untransposed there, nor the
+compiled kernel matches an earlier one's are timed once (at the first anchor the 44 compute_out
+candidates compile to 28 kernels: ``ordered_loads`` changes nothing untransposed there, nor the
 latency hint at row block 128; the 52 chunk_state candidates to 29).
 
 A user's own shapes (``--shape``, repeatable) are tuned the same way; ``--cache`` merges their
@@ -100,14 +100,15 @@ CANDIDATES = {
     # (experiments/ncu_anchor0_abdd947.txt).
     # 8 worker warps too: at the first anchor's row block 64 and occupancy 3, 56 registers and
     # 71 KB per block of 384 threads (80 and 72 KB at 256), so three blocks bring 24 worker warps
-    # to an SM instead of 12 (CPU compile, sm_90).
+    # to an SM instead of 12; at P block 32 and occupancy 4, 40 registers and 51 KB, four blocks
+    # and 32 worker warps (CPU compiles, sm_90).
     "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, ordered_loads=l,
                          latency=h, worker_warps=w)
                     for (r, p, o, h, w), t, l in itertools.product(
                         ((64, 64, 2, 0, None), (64, 64, 4, 0, None), (64, 32, 4, 0, None),
                          (128, 64, 2, 0, None), (64, 64, 2, 2, None), (128, 64, 2, 2, None),
                          (64, 64, 3, 0, None), (128, 64, 3, 0, None), (64, 64, 3, 0, 8),
-                         (64, 64, 2, 0, 8)),
+                         (64, 64, 2, 0, 8), (64, 32, 4, 0, 8)),
                         (False, True), (False, True))],
 }
 PROBED_CANDIDATES = 4
