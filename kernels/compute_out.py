@@ -75,8 +75,9 @@ import torch
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
                               index_placeholder, index_variants, is_16bit, kernel_signature,
-                              load_log2_cumsum, load_transposed, log2_decay_between,
-                              log2_decay_since, precise_mma, scalar_constraint)
+                              latency_hint, load_log2_cumsum, load_transposed,
+                              log2_decay_between, log2_decay_since, precise_mma,
+                              scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -89,11 +90,11 @@ def load_transposed5(array, i0, i1, i2, rows, cols, ROWS: ct.Constant[int],
     if ORDERED:
         t = ct.load(array, (i0, i1, i2, cols, rows), shape=(1, 1, 1, COLS, ROWS),
                     order=(0, 1, 2, 4, 3), padding_mode=ZERO,
-                    latency=LATENCY if LATENCY > 0 else None).reshape((COLS, ROWS))
+                    latency=latency_hint(LATENCY)).reshape((COLS, ROWS))
     else:
         t = ct.load(array, (i0, i1, i2, rows, cols), shape=(1, 1, 1, ROWS, COLS),
                     padding_mode=ZERO,
-                    latency=LATENCY if LATENCY > 0 else None).reshape((ROWS, COLS)).transpose()
+                    latency=latency_hint(LATENCY)).reshape((ROWS, COLS)).transpose()
     return t
 
 
@@ -181,7 +182,7 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
                                      ROW_BLOCK, ORDERED_LOADS, LATENCY)
             else:
                 B_j = ct.load(B, (batch, cols, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
-                              padding_mode=ZERO, latency=LATENCY if LATENCY > 0 else None
+                              padding_mode=ZERO, latency=latency_hint(LATENCY)
                               ).reshape((ROW_BLOCK, N_PAD))
                 s = precise_mma(B_j, C_it, ct.zeros((ROW_BLOCK, ROW_BLOCK), dtype=ct.float32),
                                 MODE, x.dtype)
@@ -198,8 +199,7 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
             if SHARED_SCORES:
                 s = ct.load(scores, (batch, chunk, group, row_block, col_block),
                             shape=(1, 1, 1, ROW_BLOCK, ROW_BLOCK),
-                            latency=LATENCY if LATENCY > 0 else None).reshape((ROW_BLOCK,
-                                                                               ROW_BLOCK))
+                            latency=latency_hint(LATENCY)).reshape((ROW_BLOCK, ROW_BLOCK))
             else:
                 B_jt = load_transposed(B, batch, cols, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS,
                                        LATENCY)
@@ -214,7 +214,7 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
             # TF32 and the split modes cut only the weights.
             weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_j[None, :])
             x_j = ct.load(x, (batch, cols, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
-                          padding_mode=ZERO, latency=LATENCY if LATENCY > 0 else None
+                          padding_mode=ZERO, latency=latency_hint(LATENCY)
                           ).reshape((ROW_BLOCK, P_BLOCK))
             y = precise_mma(weights, x_j, y, MODE, x.dtype)
 

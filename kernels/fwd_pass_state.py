@@ -43,7 +43,7 @@ import cuda.tile as ct
 import torch
 
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, is_16bit,
-                              index_placeholder, index_variants, kernel_signature,
+                              index_placeholder, index_variants, kernel_signature, latency_hint,
                               load_log2_cumsum, load_transposed, log2_cumsum_at,
                               log2_decay_between, log2_decay_since, precise_mma, scalar_constraint)
 
@@ -92,7 +92,7 @@ def chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_
         rows = chunk * rows_per_chunk + row_block
         if TRANSPOSED:
             x_rows = ct.load(x, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
-                             padding_mode=ZERO, latency=LATENCY if LATENCY > 0 else None
+                             padding_mode=ZERO, latency=latency_hint(LATENCY)
                              ).reshape((ROW_BLOCK, P_BLOCK))
             B_cols = load_transposed(B, batch, rows, group, n_block, ROW_BLOCK, N_BLOCK,
                                      ORDERED_LOADS, LATENCY)
@@ -100,7 +100,7 @@ def chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_
             x_cols = load_transposed(x, batch, rows, head, p_block, ROW_BLOCK, P_BLOCK,
                                      ORDERED_LOADS, LATENCY)
             B_rows = ct.load(B, (batch, rows, group, n_block), shape=(1, ROW_BLOCK, 1, N_BLOCK),
-                             padding_mode=ZERO, latency=LATENCY if LATENCY > 0 else None
+                             padding_mode=ZERO, latency=latency_hint(LATENCY)
                              ).reshape((ROW_BLOCK, N_BLOCK))
         dt_rows = ct.load(dt, (batch, head, chunk, row_block),
                           shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))

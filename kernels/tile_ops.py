@@ -152,6 +152,13 @@ def log2_decay_since(log2_decay_cumsum, dt, A, batch, head, chunk, start, hi_to,
 
 
 @ct.function
+def latency_hint(LATENCY: ct.Constant[int]):
+    """ct.load's latency hint from a config's knob: 1 (low) to 10 (high) DRAM traffic, or None
+    (the compiler infers it) for 0."""
+    return LATENCY if LATENCY > 0 else None
+
+
+@ct.function
 def load_transposed(array, i0, rows, i2, cols, ROWS: ct.Constant[int], COLS: ct.Constant[int],
                     ORDERED: ct.Constant[bool], LATENCY: ct.Constant[int]):
     """The (1, ROWS, 1, COLS) tile of a 4-d array at tile index (i0, rows, i2, cols), as a
@@ -160,11 +167,11 @@ def load_transposed(array, i0, rows, i2, cols, ROWS: ct.Constant[int], COLS: ct.
     if ORDERED:
         t = ct.load(array, (i0, cols, i2, rows), shape=(1, COLS, 1, ROWS), order=(0, 3, 2, 1),
                     padding_mode=ct.PaddingMode.ZERO,
-                    latency=LATENCY if LATENCY > 0 else None).reshape((COLS, ROWS))
+                    latency=latency_hint(LATENCY)).reshape((COLS, ROWS))
     else:
         t = ct.load(array, (i0, rows, i2, cols), shape=(1, ROWS, 1, COLS),
                     padding_mode=ct.PaddingMode.ZERO,
-                    latency=LATENCY if LATENCY > 0 else None).reshape((ROWS, COLS)).transpose()
+                    latency=latency_hint(LATENCY)).reshape((ROWS, COLS)).transpose()
     return t
 
 
