@@ -455,18 +455,23 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                head_block=head_block_for(key.nheads), has_bias=key.has_bias,
                                softplus=key.softplus, has_limit=key.has_limit, wide=wide)
     per_seq_start_dtype = key.start_dtype if key.per_seq_start else f32
+    # Increments summed in 'input' (a call in 'input' that returns no states) are stored in bf16
+    # with bf16 x, as the states they add up to are: half the traffic between the two kernels.
+    increment_dtype = torch.bfloat16 if (state_precision(mode, key.x_dtype, key.states_returned)
+                                         == "input" and key.x_dtype == torch.bfloat16) else f32
     chunk_state = ChunkStateConfig(
         x_dtype=key.x_dtype, b_dtype=key.b_dtype, seq_dtype=key.seq_dtype or int32,
         start_dtype=per_seq_start_dtype, cu_dtype=key.cu_dtype or int32, chunk_size=Q,
         row_block=row_block, p_block=p_block, n_block=min(n_pad, STATE_N_BLOCK),
-        precision=state_precision(mode, key.x_dtype, key.states_returned), has_seq=has_seq,
+        precision=state_precision(mode, key.x_dtype, key.states_returned),
+        increment_dtype=increment_dtype, has_seq=has_seq,
         per_seq_start=key.per_seq_start, varlen=key.varlen, wide=wide)
     chunk_state = replace(chunk_state, **tuned.get("chunk_state", {}))
     passing_tuned = dict(tuned.get("state_passing", {}))
     start_tiles = (passing_tuned.pop("p_block", 32), passing_tuned.pop("n_block", STATE_N_BLOCK))
     pass_p, pass_n = _state_passing_tiles(key, p_pad, n_pad, start_tiles)
     passing = StatePassingConfig(start_dtype=key.start_dtype or f32, state_dtype=state_dtype,
-                                 p_block=pass_p, n_block=pass_n,
+                                 increment_dtype=increment_dtype, p_block=pass_p, n_block=pass_n,
                                  has_start=key.start_dtype is not None, varlen=key.varlen,
                                  wide=wide, **passing_tuned)
     out = ComputeOutConfig(

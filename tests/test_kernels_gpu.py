@@ -269,8 +269,11 @@ def test_input_computes_the_states_of_a_call_that_returns_none_in_input():
             spec.update(batch=1, cu_seqlens=(0, 3, 8), return_varlen_states=True)
         problem = _tiny(**spec)
         key = ProblemKey.from_problem(problem, varlen=varlen, wide=False)
-        assert make_plan(key, None, precision).chunk_state.precision == expected, (final, varlen,
-                                                                                   precision)
+        plan = make_plan(key, None, precision)
+        assert plan.chunk_state.precision == expected, (final, varlen, precision)
+        # Increments summed in 'input' are stored in bf16, by both kernels' reckoning.
+        increments = torch.bfloat16 if expected == "input" else torch.float32
+        assert plan.chunk_state.increment_dtype == plan.state_passing.increment_dtype == increments
         assert make_plan(ProblemKey.from_problem(problem, varlen=varlen, wide=False,
                                                  states_returned=True),
                          None, precision).chunk_state.precision != "input"
