@@ -62,8 +62,8 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     them and run the grid.
   In every 16-bit mode the chunk-state matmul (whose result, final_states, is float32) splits its
   float32 operand in three terms against the exact 16-bit one: float32-grade states at 3 MMAs of
-  a small matmul; in 'input', a call that returns no states runs it in 'input', one MMA
-  (``state_precision``). The terms are bf16 in the bf16 split modes and for bf16 x in 'input', TF32
+  a small matmul; in 'input' with bf16 x, a call that returns no states runs it in 'input',
+  one MMA (``state_precision``). The terms are bf16 in the bf16 split modes and for bf16 x in 'input', TF32
   otherwise (``state_precision``).
 State dtype (``state_dtype=``): chunk_states are stored in x's 16-bit dtype in the 'input' mode
 (the default for bf16 x), where compute_out rounds every entering state to that dtype before its
@@ -288,18 +288,19 @@ def resolve_state_dtype(state_dtype: Optional[torch.dtype], mode: str,
 
 
 def state_precision(mode: str, x_dtype: torch.dtype, states_returned: bool = True) -> str:
-    """The mode of the chunk-state matmul. In 'input', for a call that returns no states, 'input'
-    too: the chunk states then only feed compute_out, which rounds each entering state to x's
-    dtype before its matmul, so float32-grade sums would buy the outputs little (the CPU model:
-    normwise output errors within 1.5% of the float32-grade states', max errors equal, over the
-    envelope's bf16 cells) at three MMAs instead of one. Else float32-grade for 16-bit x
+    """The mode of the chunk-state matmul. In 'input' with bf16 x, for a call that returns no
+    states, 'input' too: the chunk states then only feed compute_out, which rounds each entering
+    state to bf16 before its matmul, so float32-grade sums would buy the outputs little (the CPU
+    model: normwise output errors within 1.5% of the float32-grade states', max errors equal,
+    over the envelope's bf16 cells) at three MMAs instead of one. (fp16 x keeps the split there:
+    the weighted x rounded to fp16 could overflow past 65504.) Else float32-grade for 16-bit x
     (final_states are float32),
     in three bf16 terms for bf16 x in the bf16 modes (~2^-27 per product against the exact bf16
     operand; at (8, 4096, 64 heads) the states stage took 0.54 ms this way against 0.87 ms in
     three TF32 terms at the same tiles, reports/h200/experiments/tune_21181f8_gpu0.json; over the
     H200 envelope's bf16 cells the states errors changed by 0.72x to 1.01x, the worst unchanged),
     in three scaled fp16 terms in the fp16 splits, the user's mode for float32 x."""
-    if mode == "input" and not states_returned:
+    if mode == "input" and not states_returned and x_dtype == torch.bfloat16:
         return "input"
     if mode in BF16_SPLITS or (mode == "input" and x_dtype == torch.bfloat16):
         return "3xbf16"
@@ -455,10 +456,10 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                head_block=head_block_for(key.nheads), has_bias=key.has_bias,
                                softplus=key.softplus, has_limit=key.has_limit, wide=wide)
     per_seq_start_dtype = key.start_dtype if key.per_seq_start else f32
-    # Increments summed in 'input' (a call in 'input' that returns no states) are stored in bf16
-    # with bf16 x, as the states they add up to are: half the traffic between the two kernels.
-    increment_dtype = torch.bfloat16 if (state_precision(mode, key.x_dtype, key.states_returned)
-                                         == "input" and key.x_dtype == torch.bfloat16) else f32
+    # Increments summed in 'input' (bf16 x, a call that returns no states) are stored in bf16, as
+    # the states they add up to are: half the traffic between the two kernels.
+    increment_dtype = (torch.bfloat16 if state_precision(mode, key.x_dtype, key.states_returned)
+                       == "input" else f32)
     chunk_state = ChunkStateConfig(
         x_dtype=key.x_dtype, b_dtype=key.b_dtype, seq_dtype=key.seq_dtype or int32,
         start_dtype=per_seq_start_dtype, cu_dtype=key.cu_dtype or int32, chunk_size=Q,

@@ -277,6 +277,10 @@ def test_input_computes_the_states_of_a_call_that_returns_none_in_input():
         assert make_plan(ProblemKey.from_problem(problem, varlen=varlen, wide=False,
                                                  states_returned=True),
                          None, precision).chunk_state.precision != "input"
+    # fp16 x in 'input' keeps its split: its weighted x rounded to fp16 could overflow.
+    fp16 = ProblemKey.from_problem(_tiny(x_dtype="fp16", bc_dtype="fp16", return_final_states=False),
+                                   varlen=False, wide=False)
+    assert make_plan(fp16, None, "input").chunk_state.precision == "3xtf32"
 
 
 def test_the_fp16_splits_take_only_fp16_x_and_keep_float32_grade_states():
