@@ -16,7 +16,9 @@ state moves from entering the target's chunk c to after e:
     carry_weight   = 2^(S_e) when seq(e) is the sequence entering the chunk, else 0
 
 The increment is the (headdim x dstate) matmul x^T (w B) on tensor cores (precision per
-``kernels.tile_ops``; r's own step in the exponent per ``log2_decay_since``).
+``kernels.tile_ops``; r's own step in the exponent per ``log2_decay_since``), stored in float32,
+or in bf16 where it was summed in 'input' from bf16 x (a call that returns no states,
+``kernels.ssd.state_precision``), as the states it adds up to are stored.
 ``state_passing_kernel`` then walks the chunks once per (row, head, P x N tile):
 h <- carry_weight * h + increment, a few FLOPs per element, so the sequential part is a stream
 through memory, not a chain of matmuls, with batch x heads x tiles blocks in flight (the tiles
@@ -172,7 +174,7 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
         acc = acc + h0.astype(ct.float32) * ct.where(carried, 0.0, exp2_nonpos(exponent))
 
     ct.store(increment, (batch, target, head, p_block, n_block),
-             acc.reshape((1, 1, 1, P_BLOCK, N_BLOCK)))
+             acc.reshape((1, 1, 1, P_BLOCK, N_BLOCK)).astype(increment.dtype))
 
 
 def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, chunk_states,
@@ -188,12 +190,13 @@ def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, 
     # The walk is latency-bound: chunk c+1's weight and increment are loaded before chunk c's
     # update, so their loads overlap the store and the update instead of following them.
     w = ct.load(carry_weight, (batch, head, 0), shape=(1, 1, 1)).reshape((1, 1))
-    inc = ct.load(increment, (batch, 0, head, p_block, n_block), shape=tile).reshape((P_BLOCK, N_BLOCK))
+    inc = ct.load(increment, (batch, 0, head, p_block, n_block), shape=tile).reshape(
+        (P_BLOCK, N_BLOCK)).astype(ct.float32)
     for chunk in range(nchunks):
         following = ct.minimum(chunk + 1, nchunks - 1)
         w_next = ct.load(carry_weight, (batch, head, following), shape=(1, 1, 1)).reshape((1, 1))
         inc_next = ct.load(increment, (batch, following, head, p_block, n_block),
-                           shape=tile).reshape((P_BLOCK, N_BLOCK))
+                           shape=tile).reshape((P_BLOCK, N_BLOCK)).astype(ct.float32)
         ct.store(chunk_states, (batch, chunk, head, p_block, n_block),
                  h.reshape(tile).astype(chunk_states.dtype))
         if VARLEN:
@@ -204,7 +207,7 @@ def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, 
                 w_seq = ct.load(carry_weight, (batch, head, nchunks + k),
                                 shape=(1, 1, 1)).reshape((1, 1))
                 inc_seq = ct.load(increment, (batch, nchunks + k, head, p_block, n_block),
-                                  shape=tile).reshape((P_BLOCK, N_BLOCK))
+                                  shape=tile).reshape((P_BLOCK, N_BLOCK)).astype(ct.float32)
                 ct.store(varlen_states, (k, head, p_block, n_block),
                          (w_seq * h + inc_seq).reshape((1, 1, P_BLOCK, N_BLOCK)))
         h = w * h + inc
@@ -234,6 +237,7 @@ class ChunkStateConfig(KernelVariant):
     p_block: int = 64
     n_block: int = 64
     precision: str = "3xtf32"
+    increment_dtype: torch.dtype = torch.float32     # kernels.ssd: bf16 beside 'input' sums
     has_seq: bool = False
     per_seq_start: bool = False
     varlen: bool = False
@@ -256,13 +260,13 @@ class ChunkStateConfig(KernelVariant):
             array_constraint(f32, 4), array_constraint(f32, 5), array_constraint(f32, 1),
             array_constraint(self.seq_dtype, 2), array_constraint(self.start_dtype, 4, w),
             array_constraint(self.cu_dtype, 1), array_constraint(i32, 1),
-            array_constraint(f32, 5, w), array_constraint(f32, 3),
+            array_constraint(self.increment_dtype, 5, w), array_constraint(f32, 3),
             *(scalar_constraint(i32) for _ in range(7)), *self.constants()])
 
     def describe(self) -> str:
         return (f"chunk_state x={self.x_dtype} B={self.b_dtype} Q={self.chunk_size} "
                 f"RB={self.row_block} PB={self.p_block} NB={self.n_block} "
-                f"{self.precision} seq={self.has_seq} "
+                f"{self.precision} increment={self.increment_dtype} seq={self.has_seq} "
                 f"per_seq_start={self.per_seq_start} varlen={self.varlen} "
                 f"transposed={self.transposed} ordered_loads={self.ordered_loads} "
                 f"latency={self.latency} int64={self.wide} occupancy={self.occupancy} "
@@ -275,6 +279,7 @@ class StatePassingConfig(KernelVariant):
 
     start_dtype: torch.dtype = torch.float32
     state_dtype: torch.dtype = torch.float32
+    increment_dtype: torch.dtype = torch.float32
     p_block: int = 32
     n_block: int = 64
     has_start: bool = False
@@ -288,7 +293,7 @@ class StatePassingConfig(KernelVariant):
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
         return kernel_signature([
-            array_constraint(f32, 5, w), array_constraint(f32, 3),
+            array_constraint(self.increment_dtype, 5, w), array_constraint(f32, 3),
             array_constraint(self.start_dtype, 4, w), array_constraint(i32, 1),
             array_constraint(self.state_dtype, 5, w), array_constraint(f32, 4, w),
             array_constraint(f32, 4, w), *(scalar_constraint(i32) for _ in range(4)),
@@ -296,6 +301,7 @@ class StatePassingConfig(KernelVariant):
 
     def describe(self) -> str:
         return (f"state_passing start={self.start_dtype} states={self.state_dtype} "
+                f"increment={self.increment_dtype} "
                 f"PB={self.p_block} NB={self.n_block} start={self.has_start} "
                 f"varlen={self.varlen} int64={self.wide} occupancy={self.occupancy}")
 
@@ -329,11 +335,14 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
     if inp.varlen:
         ends = (inp.cu_seqlens[1:] - 1).to(torch.int32)
     ntargets = nchunks + (0 if ends is None else ends.numel())
-    increment = torch.empty(b, ntargets, H, P, N, device=dev, dtype=f32)
+    if chunk_cfg.increment_dtype != pass_cfg.increment_dtype:
+        raise ValueError(f"the chunk_state and state_passing configs disagree on the increments' "
+                         f"dtype: {chunk_cfg.increment_dtype} vs {pass_cfg.increment_dtype}")
+    increment = torch.empty(b, ntargets, H, P, N, device=dev, dtype=chunk_cfg.increment_dtype)
     carry_weight = torch.empty(b, H, ntargets, device=dev, dtype=f32)
     placeholder_int = index_placeholder(dev)
     seq_idx = inp.seq_idx if inp.seq_idx is not None else placeholder_int.view(1, 1)
-    placeholder = increment.view(-1)[:1].view(1, 1, 1, 1)    # stands in for absent arrays, unread
+    placeholder = carry_weight.view(-1)[:1].view(1, 1, 1, 1)  # stands in for absent arrays, unread
     start = inp.start_states if inp.per_seq_start else placeholder
     cu = inp.cu_seqlens if inp.cu_seqlens is not None else placeholder_int
     target_ends = ends if ends is not None else placeholder_int

@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 
 from kernels.contract import SSDProblem
-from kernels.ssd import resolve_precision, resolve_state_dtype, ssd_forward_stages
+from kernels.ssd import resolve_precision, resolve_state_dtype, run_stages, ssd_forward_stages
 from oracles.chunked_reference import chunked_ssd
 from oracles.common import chunk_boundaries
 from oracles.sequential import sequential_ssd
@@ -115,6 +115,10 @@ QUICK_CASES = (
          chunk_size=256, headdim=128, dstate=128, ngroups=8, D="head", z=True),
     case("bf16-input-L1000-Q128", precision="input", x_dtype="bf16", bc_dtype="bf16",
          seqlen=1000, chunk_size=128, D="head"),
+    # out alone, as the benchmarks call it: chunk states in 'input' (kernels.ssd.state_precision).
+    case("bf16-out-only-L4097-Q256-large-magnitude-z", x_dtype="bf16", bc_dtype="bf16",
+         regime="large_magnitude", seqlen=4097, chunk_size=256, D="head", z=True,
+         return_final_states=False),
     case("bf16-2xbf16-L1000-Q256-Dhead-z", precision="2xbf16", x_dtype="bf16", bc_dtype="bf16",
          seqlen=1000, chunk_size=256, D="head", z=True),
     # The fp16 splits (scaled fp16 terms), at fp16's default's cells.
@@ -329,6 +333,11 @@ def check_problem(problem: SSDProblem, precision=None, chunk_state_dtype=None,
                            state_dtype=chunk_state_dtype or torch.float32)
     ours = dict(out=result.out, final_states=result.final_states,
                 varlen_states=result.varlen_states, **result.stages)
+    if not (problem.return_final_states or problem.return_varlen_states):
+        # ssd_forward's out for a call that returns out alone: its chunk states are computed
+        # as that call computes them (kernels.ssd.state_precision); the stages above as always.
+        ours["out"] = run_stages(problem, state_dtype=chunk_state_dtype, precision=precision,
+                                 states_returned=False).out
     baseline = dict(out=base.out, final_states=base.final_states,
                     varlen_states=base.varlen_states, **base.stages)
     dtypes = dict(out=problem.x.dtype, final_states=torch.float32, varlen_states=torch.float32,

@@ -62,7 +62,8 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     them and run the grid.
   In every 16-bit mode the chunk-state matmul (whose result, final_states, is float32) splits its
   float32 operand in three terms against the exact 16-bit one: float32-grade states at 3 MMAs of
-  a small matmul. The terms are bf16 in the bf16 split modes and for bf16 x in 'input', TF32
+  a small matmul; in 'input' with bf16 x, a call that returns no states runs it in 'input',
+  one MMA (``state_precision``). The terms are bf16 in the bf16 split modes and for bf16 x in 'input', TF32
   otherwise (``state_precision``).
 State dtype (``state_dtype=``): chunk_states are stored in x's 16-bit dtype in the 'input' mode
 (the default for bf16 x), where compute_out rounds every entering state to that dtype before its
@@ -196,9 +197,16 @@ class ProblemKey:
     per_seq_start: bool = False
     varlen: bool = False
     wide: Optional[bool] = None       # None: decided from the sizes, as for contiguous tensors
+    # The call hands back final or varlen states (or every stage): else the chunk states only
+    # feed compute_out (``state_precision``).
+    states_returned: bool = True
 
     @classmethod
-    def from_problem(cls, p: SSDProblem, varlen: bool, wide: bool) -> "ProblemKey":
+    def from_problem(cls, p: SSDProblem, varlen: bool, wide: bool,
+                     states_returned: Optional[bool] = None) -> "ProblemKey":
+        """states_returned None: whether ``p`` asks for final or varlen states."""
+        if states_returned is None:
+            states_returned = p.return_final_states or p.return_varlen_states
         packed = p.seq_idx is not None or p.cu_seqlens is not None
         seq_dtype = None
         if packed:
@@ -212,7 +220,8 @@ class ProblemKey:
                    cu_dtype=None if p.cu_seqlens is None else p.cu_seqlens.dtype,
                    nseq=p.nseq or 0, has_d=p.D is not None, has_bias=p.dt_bias is not None,
                    softplus=p.dt_softplus, has_limit=p.has_dt_limit,
-                   per_seq_start=p.per_sequence_initial_states, varlen=varlen, wide=wide)
+                   per_seq_start=p.per_sequence_initial_states, varlen=varlen, wide=wide,
+                   states_returned=states_returned)
 
     @property
     def nchunks(self) -> int:
@@ -278,13 +287,21 @@ def resolve_state_dtype(state_dtype: Optional[torch.dtype], mode: str,
     return x_dtype if mode == "input" else torch.float32
 
 
-def state_precision(mode: str, x_dtype: torch.dtype) -> str:
-    """The mode of the chunk-state matmul: float32-grade for 16-bit x (final_states are float32),
+def state_precision(mode: str, x_dtype: torch.dtype, states_returned: bool = True) -> str:
+    """The mode of the chunk-state matmul. In 'input' with bf16 x, for a call that returns no
+    states, 'input' too: the chunk states then only feed compute_out, which rounds each entering
+    state to bf16 before its matmul, so float32-grade sums would buy the outputs little (the CPU
+    model: normwise output errors within 1.5% of the float32-grade states', max errors equal,
+    over the envelope's bf16 cells) at three MMAs instead of one. (fp16 x keeps the split there:
+    the weighted x rounded to fp16 could overflow past 65504.) Else float32-grade for 16-bit x
+    (final_states are float32),
     in three bf16 terms for bf16 x in the bf16 modes (~2^-27 per product against the exact bf16
     operand; at (8, 4096, 64 heads) the states stage took 0.54 ms this way against 0.87 ms in
     three TF32 terms at the same tiles, reports/h200/experiments/tune_21181f8_gpu0.json; over the
     H200 envelope's bf16 cells the states errors changed by 0.72x to 1.01x, the worst unchanged),
     in three scaled fp16 terms in the fp16 splits, the user's mode for float32 x."""
+    if mode == "input" and not states_returned and x_dtype == torch.bfloat16:
+        return "input"
     if mode in BF16_SPLITS or (mode == "input" and x_dtype == torch.bfloat16):
         return "3xbf16"
     if mode in FP16_SPLITS:
@@ -439,18 +456,23 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                head_block=head_block_for(key.nheads), has_bias=key.has_bias,
                                softplus=key.softplus, has_limit=key.has_limit, wide=wide)
     per_seq_start_dtype = key.start_dtype if key.per_seq_start else f32
+    # Increments summed in 'input' (bf16 x, a call that returns no states) are stored in bf16, as
+    # the states they add up to are: half the traffic between the two kernels.
+    increment_dtype = (torch.bfloat16 if state_precision(mode, key.x_dtype, key.states_returned)
+                       == "input" else f32)
     chunk_state = ChunkStateConfig(
         x_dtype=key.x_dtype, b_dtype=key.b_dtype, seq_dtype=key.seq_dtype or int32,
         start_dtype=per_seq_start_dtype, cu_dtype=key.cu_dtype or int32, chunk_size=Q,
         row_block=row_block, p_block=p_block, n_block=min(n_pad, STATE_N_BLOCK),
-        precision=state_precision(mode, key.x_dtype), has_seq=has_seq,
+        precision=state_precision(mode, key.x_dtype, key.states_returned),
+        increment_dtype=increment_dtype, has_seq=has_seq,
         per_seq_start=key.per_seq_start, varlen=key.varlen, wide=wide)
     chunk_state = replace(chunk_state, **tuned.get("chunk_state", {}))
     passing_tuned = dict(tuned.get("state_passing", {}))
     start_tiles = (passing_tuned.pop("p_block", 32), passing_tuned.pop("n_block", STATE_N_BLOCK))
     pass_p, pass_n = _state_passing_tiles(key, p_pad, n_pad, start_tiles)
     passing = StatePassingConfig(start_dtype=key.start_dtype or f32, state_dtype=state_dtype,
-                                 p_block=pass_p, n_block=pass_n,
+                                 increment_dtype=increment_dtype, p_block=pass_p, n_block=pass_n,
                                  has_start=key.start_dtype is not None, varlen=key.varlen,
                                  wide=wide, **passing_tuned)
     out = ComputeOutConfig(
@@ -523,10 +545,13 @@ class StagePipeline:
 
 
 def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[str] = None,
-                   varlen: Optional[bool] = None) -> StagePipeline:
+                   varlen: Optional[bool] = None,
+                   states_returned: Optional[bool] = None) -> StagePipeline:
     """Check what the kernels support and pick their variants for a validated problem.
 
-    varlen: compute varlen_states (default: whenever cu_seqlens is given).
+    varlen: compute varlen_states (default: whenever cu_seqlens is given). states_returned:
+    whether the caller uses any states (default: whether the problem asks for final or varlen
+    states; ``ProblemKey.states_returned``).
     """
     state_dtype = resolve_state_dtype(state_dtype, resolve_precision(precision, problem.x.dtype),
                                       problem.x.dtype)
@@ -534,7 +559,8 @@ def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[st
     require_gpu(problem.x)
     varlen = problem.cu_seqlens is not None if varlen is None else bool(varlen and
                                                                        problem.cu_seqlens is not None)
-    plan = make_plan(ProblemKey.from_problem(problem, varlen=varlen, wide=_wide(problem)),
+    plan = make_plan(ProblemKey.from_problem(problem, varlen=varlen, wide=_wide(problem),
+                                             states_returned=states_returned),
                      state_dtype, precision)
     p = problem
     seq_idx = p.seq_idx
@@ -547,9 +573,10 @@ def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[st
 
 
 def run_stages(problem: SSDProblem, state_dtype=None, precision: Optional[str] = None,
-               varlen: Optional[bool] = None) -> SSDResult:
+               varlen: Optional[bool] = None,
+               states_returned: Optional[bool] = None) -> SSDResult:
     """All three kernels on a validated problem; every stage in ``stages``."""
-    pipeline = stage_pipeline(problem, state_dtype, precision, varlen)
+    pipeline = stage_pipeline(problem, state_dtype, precision, varlen, states_returned)
     dt, log2_cumsum = pipeline.cumsum()
     chunk_states, final_states, varlen_states = pipeline.states(dt, log2_cumsum)
     out = pipeline.out(dt, log2_cumsum, chunk_states)
@@ -562,11 +589,12 @@ def ssd_forward_stages(problem: SSDProblem, *, state_dtype=None,
                        precision: Optional[str] = None) -> SSDResult:
     """The kernels on a validated ``SSDProblem`` (``kernels.contract.validate`` or
     ``properties.problems.build_problem``): out, final_states, varlen_states (when cu_seqlens is
-    given) and the stages dt, log2_decay_cumsum, chunk_states in their shared layouts."""
+    given) and the stages dt, log2_decay_cumsum, chunk_states in their shared layouts, the
+    states computed as for a call that returns them (whatever the problem's return flags)."""
     if problem.chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise SSDInputError(f"chunk_size: expected one of {SUPPORTED_CHUNK_SIZES} (the cuTile "
                             f"kernels), got {problem.chunk_size}")
-    return run_stages(problem, state_dtype=state_dtype, precision=precision)
+    return run_stages(problem, state_dtype=state_dtype, precision=precision, states_returned=True)
 
 
 def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,

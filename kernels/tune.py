@@ -136,13 +136,15 @@ def parse_shape(text: str) -> tuple:
     return (*dims, dtype)
 
 
-def shape_inputs(shape, seqlen=None) -> dict:
-    """Mamba-2-init inputs of a tuning shape on the GPU (seqlen overrides the shape's)."""
+def shape_inputs(shape, seqlen=None, out_alone: bool = False) -> dict:
+    """Mamba-2-init inputs of a tuning shape on the GPU (seqlen overrides the shape's), for a
+    call that returns final_states too, or out alone (``ssd.state_precision``)."""
     from kernels.gpu_report import anchor_inputs  # noqa: PLC0415
     b, L, H, P, N, G, dtype = shape
     inputs = anchor_inputs((b, seqlen or L, H, P, N, G))
     for name in ("x", "B", "C"):
         inputs[name] = inputs[name].to(getattr(torch, dtype))
+    inputs["return_final_states"] = not out_alone
     return inputs
 
 
@@ -169,7 +171,7 @@ def with_candidate(plan: ssd.Plan, stage: str, cand: dict, precision: str | None
 
 
 def _pipeline(inputs: dict, chunk_size: int, plan: ssd.Plan | None = None) -> ssd.StagePipeline:
-    problem = validate(**inputs, chunk_size=chunk_size, return_final_states=True)
+    problem = validate(**inputs, chunk_size=chunk_size)
     pipeline = ssd.stage_pipeline(problem)
     return pipeline if plan is None else replace(pipeline, plan=plan)
 
@@ -182,9 +184,10 @@ def _stage_call(pipeline: ssd.StagePipeline, stage: str, dt, cumsum, states):
 
 def _compile_task(args):
     """Compile one candidate plan in a worker by running it on a short problem of the shape."""
-    shape, chunk_size, stage, cand, precision = args
+    shape, chunk_size, stage, cand, precision, out_alone = args
     try:
-        pipeline = _pipeline(shape_inputs(shape, seqlen=2 * chunk_size), chunk_size)
+        pipeline = _pipeline(shape_inputs(shape, seqlen=2 * chunk_size, out_alone=out_alone),
+                             chunk_size)
         pipeline = replace(pipeline, plan=with_candidate(pipeline.plan, stage, cand, precision))
         dt, cumsum = pipeline.cumsum()
         states, _, _ = pipeline.states(dt, cumsum)
@@ -220,7 +223,8 @@ def same_code_as(codes: list) -> list[int]:
     return [i if code is None else first.setdefault(code, i) for i, code in enumerate(codes)]
 
 
-def _search(shape, chunk_size, stage, pool, inputs, plan, dt, cumsum, states):
+def _search(shape, chunk_size, stage, pool, inputs, plan, dt, cumsum, states,
+            out_alone: bool = False):
     """(rows, best): every fitting candidate of ``stage`` timed on ``plan``'s other stages, once
     per distinct machine code: a candidate that compiles to an earlier one's code (a knob that
     changes nothing at this shape) takes its time, with ``same_code_as`` naming it; one whose
@@ -242,8 +246,8 @@ def _search(shape, chunk_size, stage, pool, inputs, plan, dt, cumsum, states):
                   f"{unknown[0][-400:]}", flush=True)
     twins = same_code_as(codes)
     firsts = [i for i, twin in enumerate(twins) if twin == i]
-    errors = dict(zip(firsts, pool.map(_compile_task, [(shape, chunk_size, stage, cands[i], None)
-                                                        for i in firsts])))
+    errors = dict(zip(firsts, pool.map(_compile_task, [(shape, chunk_size, stage, cands[i], None,
+                                                         out_alone) for i in firsts])))
     rows = []
     for i, cand in enumerate(cands):
         row = dict(cand)
@@ -270,21 +274,25 @@ def _search(shape, chunk_size, stage, pool, inputs, plan, dt, cumsum, states):
 
 
 def tune_shape(shape, pool, stages=tuple(CANDIDATES),
-               chunk_size: int = ssd.DEFAULT_CHUNK_SIZE) -> dict:
-    inputs = shape_inputs(shape)
+               chunk_size: int = ssd.DEFAULT_CHUNK_SIZE, out_alone: bool = False) -> dict:
+    """One shape's record: each stage in ``stages`` searched (the others at the dispatcher's
+    choice), then probed in the other precision modes. out_alone: time calls that return out
+    alone (their chunk states in 'input' with bf16 x, ``ssd.state_precision``); the table's key
+    is the same, so a later run's winners serve both kinds of call."""
+    inputs = shape_inputs(shape, out_alone=out_alone)
     base = _pipeline(inputs, chunk_size)
     dt, cumsum = base.cumsum()
     states, _, _ = base.states(dt, cumsum)
     record = dict(shape=dict(zip(("batch", "seqlen", "nheads", "headdim", "dstate", "ngroups",
                                   "dtype"), shape)),
-                  chunk_size=chunk_size,
+                  chunk_size=chunk_size, out_alone=out_alone,
                   dispatcher={s: asdict(getattr(base.plan, FIELD[s])) for s in CANDIDATES},
                   stages={}, best={})
     plan = base.plan
     for stage in CANDIDATES:
         if stage in stages:
             record["stages"][stage], best = _search(shape, chunk_size, stage, pool, inputs, plan,
-                                                    dt, cumsum, states)
+                                                    dt, cumsum, states, out_alone)
         else:
             # Not searched: the dispatcher's choice stands (and is what the table keeps).
             dispatched = asdict(getattr(plan, FIELD[stage]))
@@ -303,9 +311,10 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES),
         for precision in PRECISION_PROBES.get(stage, ()):
             if precision == searched or not _accepts(precision, shape[-1]):
                 continue
-            tasks += [(shape, chunk_size, stage, _tiles(stage, row), precision) for row in timed]
+            tasks += [(shape, chunk_size, stage, _tiles(stage, row), precision, out_alone)
+                      for row in timed]
         probes = []
-        for (_, _, _, cand, precision), error in zip(tasks, pool.map(_compile_task, tasks)):
+        for (_, _, _, cand, precision, _), error in zip(tasks, pool.map(_compile_task, tasks)):
             pipeline = _pipeline(inputs, chunk_size, with_candidate(plan, stage, cand, precision))
             stored = pipeline.plan.state_passing.state_dtype
             ms = None if error else time_ms(_stage_call(
@@ -440,6 +449,10 @@ def main(argv=None) -> int:
                              "completed (its provenance is kept); repeatable, oldest first: a "
                              "later run's winners replace an earlier one's for the stages it "
                              "searched")
+    parser.add_argument("--out-alone", action="store_true",
+                        help="time calls that return out alone, as the benchmarks and a model "
+                             "layer make them (with bf16 x their chunk states are summed in "
+                             "'input'); the table's keys are the same")
     args = parser.parse_args(argv)
     command = "python3 -m kernels.tune " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.table_from:
@@ -472,7 +485,7 @@ def main(argv=None) -> int:
     records = []
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
         for shape in shapes:
-            records.append(tune_shape(shape, pool, stages, args.chunk_size))
+            records.append(tune_shape(shape, pool, stages, args.chunk_size, args.out_alone))
             with open(os.path.join(args.out, "tune.json"), "w") as f:
                 json.dump(dict(provenance=collect(), records=records), f, indent=1, default=str)
             print(f"{shape}: default {records[-1]['default_ms']:.3f} ms -> tuned "

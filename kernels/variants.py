@@ -83,6 +83,9 @@ COVERING_KEYS = (
     ("anchor-b8-L4096-h64", _anchor(8, 4096, 64, 1), None, None),
     ("anchor-b4-L8192-h32-g8", _anchor(4, 8192, 32, 8), None, None),
     ("anchor-b1-L65536-h64", _anchor(1, 65536, 64, 1), None, None),
+    # A call that returns out alone: chunk_state in 'input' (kernels.ssd.state_precision).
+    ("anchor-b8-L4096-h64-out-only", replace(_anchor(8, 4096, 64, 1, has_d=True),
+                                             states_returned=False), None, None),
     ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,
                                           softplus=True), None, None),
     ("int64-b1-L139264-h256", _anchor(1, 139264, 256, 1, has_d=True), None, None),

@@ -243,6 +243,50 @@ def test_3xbf16_takes_every_x_dtype_and_2xbf16_only_bf16():
             resolve_precision("2xbf16", dtype)
 
 
+@pytest.mark.gpu
+@requires_gpu
+def test_out_alone_agrees_with_out_beside_its_states():
+    """A call that returns out alone computes its chunk states in 'input' (below), a call that
+    returns final_states too in float32-grade sums: compute_out rounds either to bf16 before its
+    matmul, so their outputs agree to a rounding (the relation tolerance of two bf16 runs)."""
+    p = _knob_problem("bf16")
+    args = (p.x, p.dt, p.A, p.B, p.C, 256)
+    kwargs = dict(D=p.D, z=p.z, initial_states=p.initial_states, cu_seqlens=p.cu_seqlens)
+    alone = ssd_forward(*args, **kwargs).double()
+    beside, _ = ssd_forward(*args, **kwargs, return_final_states=True)
+    tol = relation_tolerance(torch.bfloat16, float(beside.abs().max()))
+    assert float((alone - beside.double()).abs().max()) <= tol
+
+
+def test_input_computes_the_states_of_a_call_that_returns_none_in_input():
+    """In 'input' the chunk states of a call that returns out alone only feed compute_out, which
+    rounds them to x's dtype: their matmul runs in 'input' too. Returned states (final, varlen,
+    or every stage through ssd_forward_stages) stay float32-grade; other modes are unchanged."""
+    from kernels.ssd import ProblemKey, make_plan
+    for final, varlen, precision, expected in [(False, False, None, "input"),
+                                               (True, False, None, "3xbf16"),
+                                               (False, True, None, "3xbf16"),
+                                               (False, False, "2xbf16", "3xbf16"),
+                                               (False, False, "tf32", "3xtf32")]:
+        spec = dict(x_dtype="bf16", bc_dtype="bf16", return_final_states=final)
+        if varlen:
+            spec.update(batch=1, cu_seqlens=(0, 3, 8), return_varlen_states=True)
+        problem = _tiny(**spec)
+        key = ProblemKey.from_problem(problem, varlen=varlen, wide=False)
+        plan = make_plan(key, None, precision)
+        assert plan.chunk_state.precision == expected, (final, varlen, precision)
+        # Increments summed in 'input' are stored in bf16, by both kernels' reckoning.
+        increments = torch.bfloat16 if expected == "input" else torch.float32
+        assert plan.chunk_state.increment_dtype == plan.state_passing.increment_dtype == increments
+        assert make_plan(ProblemKey.from_problem(problem, varlen=varlen, wide=False,
+                                                 states_returned=True),
+                         None, precision).chunk_state.precision != "input"
+    # fp16 x in 'input' keeps its split: its weighted x rounded to fp16 could overflow.
+    fp16 = ProblemKey.from_problem(_tiny(x_dtype="fp16", bc_dtype="fp16", return_final_states=False),
+                                   varlen=False, wide=False)
+    assert make_plan(fp16, None, "input").chunk_state.precision == "3xtf32"
+
+
 def test_the_fp16_splits_take_only_fp16_x_and_keep_float32_grade_states():
     for mode in ("2xfp16", "3xfp16"):
         assert resolve_precision(mode, torch.float16) == mode

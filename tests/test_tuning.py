@@ -263,7 +263,7 @@ def test_search_compiles_and_times_each_code_once(monkeypatch):
     monkeypatch.setattr(tune, "_code_task", lambda args: (codes[
         args[1].out.transposed, args[1].out.latency], None) if args[1].out.ordered_loads or
         not args[1].out.transposed else (None, "unknown here"))
-    monkeypatch.setattr(tune, "_compile_task", lambda args: compiled.append(args[3]))
+    monkeypatch.setattr(tune, "_compile_task", lambda args: compiled.append(args))
     monkeypatch.setattr(tune, "_stage_call", lambda pipeline, *a: pipeline.plan.out)
     monkeypatch.setattr(tune, "time_ms",
                         lambda out, reps: timed.append(out) or 1.0 - 0.1 * len(timed))
@@ -282,6 +282,11 @@ def test_search_compiles_and_times_each_code_once(monkeypatch):
     carried = tune.with_candidate(ssd.make_plan(key), "compute_out",
                                   tune._tiles("compute_out", rows[6])).out
     assert (carried.transposed, carried.ordered_loads, carried.latency) == (True, True, 0)
+    # The compile workers build the kind of call the search times (out alone or not).
+    assert {task[5] for task in compiled} == {False}
+    tune._search(shape, 256, "compute_out", SimpleNamespace(map=map), None, ssd.make_plan(key),
+                 None, None, None, out_alone=True)
+    assert {task[5] for task in compiled[5:]} == {True}
 
 
 def test_tuner_candidates_respect_the_problem_sizes():
