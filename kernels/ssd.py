@@ -146,7 +146,7 @@ P_BLOCK = 64
 STATE_N_BLOCK = 64
 TUNED_TABLE = os.path.join(os.path.dirname(__file__), "tuned.json")
 # What precision='auto' means per x dtype (module docstring says why).
-AUTO_PRECISION = {torch.float32: "3xbf16", torch.bfloat16: "input", torch.float16: "3xtf32"}
+AUTO_PRECISION = {torch.float32: "3xbf16", torch.bfloat16: "input", torch.float16: "2xfp16"}
 # Heads per group from which compute_out shares the scores C_i . B_j^T across them. On the H200
 # (tuner, bf16, reports/h200/experiments/tune_322c7d5.json) sharing won with 64 heads per group
 # (tf32 1.27 vs 1.43 ms at the best tiles: freed registers let 4 blocks share an SM) and lost
