@@ -81,7 +81,10 @@ CANDIDATES = {
                    # Smaller blocks that hold 3-4 per SM where the tiles above hold 2 (CPU
                    # compile, sm_90, first anchor): P block 32 at occupancy 3 (80 registers, 40
                    # KB), 4 (64, 26 KB) or 3 with 8 worker warps (56 at 384 threads); N block 64
-                   # at occupancy 3 with 8 worker warps (56 registers, 69 KB).
+                   # at occupancy 3 with 8 worker warps (56 registers, 69 KB). Timed on the
+                   # H200 at the first anchor (2eef42b, 'input' states): with 8 worker warps or
+                   # these blocks 0.354 ms at best against the table's 0.304
+                   # (experiments/tune_2eef42b_chunk_state_anchor0_out_alone.json).
                    + [dict(row_block=64, p_block=p, n_block=n, occupancy=o, transposed=t,
                            ordered_loads=False, latency=6, worker_warps=w)
                       for (p, n, o, w), t in itertools.product(
@@ -101,7 +104,9 @@ CANDIDATES = {
     # 8 worker warps too: at the first anchor's row block 64 and occupancy 3, 56 registers and
     # 71 KB per block of 384 threads (80 and 72 KB at 256), so three blocks bring 24 worker warps
     # to an SM instead of 12; at P block 32 and occupancy 4, 40 registers and 51 KB, four blocks
-    # and 32 worker warps (CPU compiles, sm_90).
+    # and 32 worker warps (CPU compiles, sm_90). Timed on the H200 there (2eef42b): 0.719 ms at
+    # best with 8 worker warps against 0.586 at 4
+    # (experiments/tune_2eef42b_compute_out_anchor0_out_alone.json).
     "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, ordered_loads=l,
                          latency=h, worker_warps=w)
                     for (r, p, o, h, w), t, l in itertools.product(
