@@ -38,39 +38,40 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     of the rule; 1.44x the error of rounding the exact output to bf16, mamba_ssm's level).
     "tf32" stays an opt-in; "2xbf16" cuts those operands into two bf16 terms (~2^-18 relative),
     with the chunk-state matmul in three ("3xbf16"): 1.17 and 1.35 ms in the same run.
-  - fp16 x: "2xfp16" by default since 2eef42b (below; it was "3xtf32"). TF32 keeps fp16's own 11 bits, so rounding the computed operands
-    to it costs an fp16 rounding of every *term* of an output, and terms can be far larger than the
-    output they cancel to: on the H200 envelope's large-magnitude fp16 cells (terms ~1e7, outputs
-    near 65504) "tf32" gave Inf at 31 and 3 positions whose exact value is finite. A CPU emulation
-    of compute_out's operand rounding reproduces exactly those counts, fails the accuracy rule by
-    13.7-16.5x at the finite positions, and gives 0 Infs and 0.13 of the rule with the split
-    (the model: tests/test_precision_model.py). Re-measured on the H200 with the split
-    (reports/h200/envelope.md, 4b1e5b9): no Inf, fp16 outputs within 0.25 of the rule. At the
-    first anchor in fp16 it ran at 0.32x mamba_ssm's speed (untuned; bench, c091e22). "3xbf16"
-    takes fp16 x too (widened, cut in bf16 terms): the H200 grid's fp16 cases passed with it as
-    their default (21b71eb) and the tuner took the first anchor's states and compute_out to
-    3.43 ms with it (experiments/tune_21b71eb_fp16_3xbf16.json); timed beside "3xtf32" in one
-    search (experiments/tune_b3ee563_fp16.json) it was slower, compute_out 2.17 against 2.06 ms
-    and the states stage 1.05 against 0.79 at the best tiles, so it stays an opt-in. "2xfp16" and
-    "3xfp16" (fp16 x only; kernels/tile_ops.py) cut the computed operands, scaled by a power of
-    two per row (or column) of the product, into 2 or 3 fp16 terms against the raw fp16 ones:
-    fp16 tensor cores with 16-bit operands in shared memory, where the TF32 terms of "3xtf32"
-    are 32-bit; their chunk-state matmul runs in 3 such terms. In that search compute_out took
-    2.06 ms in "3xtf32", 0.72 in "input" and 1.41 in "tf32" (one MMA): the MMA count and the
-    operand bytes are the cost. The CPU model puts both at "3xtf32"'s accuracy on the
-    envelope's fp16 cells (tests/test_precision_model.py). On the H200 (e86b2f1, at "3xtf32"'s
-    best tiles, experiments/tune_e86b2f1_fp16_3xtf32.json) compute_out took 1.28 ms in "2xfp16"
-    against 2.06 in "3xtf32" and the states stage 0.47 against 0.79 in three fp16 terms; the
-    quick grid's two fp16-split cases were within the rule. So "2xfp16" became the default:
-    searched in it the fp16 key took 1.75 ms against 2.85 in "3xtf32"
-    (experiments/tune_2eef42b_fp16.json), and the envelope's 20 fp16 cells passed --check
-    against the "3xtf32" baseline, no Inf, outputs within 0.241 of the rule (0.25 before;
-    experiments/envelope_fp16_2xfp16_2eef42b/). "3xtf32" and "3xfp16" are opt-ins.
+  - fp16 x: "2xfp16" by default since 2eef42b (below; it was "3xtf32"). TF32 keeps fp16's own 11
+    bits, so rounding the computed operands to it costs an fp16 rounding of every *term* of an
+    output, and terms can be far larger than the output they cancel to: on the H200 envelope's
+    large-magnitude fp16 cells (terms ~1e7, outputs near 65504) "tf32" gave Inf at 31 and 3
+    positions whose exact value is finite. A CPU emulation of compute_out's operand rounding
+    reproduces exactly those counts, fails the accuracy rule by 13.7-16.5x at the finite positions,
+    and gives 0 Infs and 0.13 of the rule with the split (the model:
+    tests/test_precision_model.py). Re-measured on the H200 with the split
+    (reports/h200/envelope.md, 4b1e5b9): no Inf, fp16 outputs within 0.25 of the rule. At the first
+    anchor in fp16 it ran at 0.32x mamba_ssm's speed (untuned; bench, c091e22). "3xbf16" takes fp16
+    x too (widened, cut in bf16 terms): the H200 grid's fp16 cases passed with it as their default
+    (21b71eb) and the tuner took the first anchor's states and compute_out to 3.43 ms with it
+    (experiments/tune_21b71eb_fp16_3xbf16.json); timed beside "3xtf32" in one search
+    (experiments/tune_b3ee563_fp16.json) it was slower, compute_out 2.17 against 2.06 ms and the
+    states stage 1.05 against 0.79 at the best tiles, so it stays an opt-in. "2xfp16" and "3xfp16"
+    (fp16 x only; kernels/tile_ops.py) cut the computed operands, scaled by a power of two per row
+    (or column) of the product, into 2 or 3 fp16 terms against the raw fp16 ones: fp16 tensor cores
+    with 16-bit operands in shared memory, where the TF32 terms of "3xtf32" are 32-bit; their
+    chunk-state matmul runs in 3 such terms. In that search compute_out took 2.06 ms in "3xtf32",
+    0.72 in "input" and 1.41 in "tf32" (one MMA): the MMA count and the operand bytes are the cost.
+    The CPU model puts both at "3xtf32"'s accuracy on the envelope's fp16 cells
+    (tests/test_precision_model.py). On the H200 (e86b2f1, at "3xtf32"'s best tiles,
+    experiments/tune_e86b2f1_fp16_3xtf32.json) compute_out took 1.28 ms in "2xfp16" against 2.06 in
+    "3xtf32" and the states stage 0.47 against 0.79 in three fp16 terms; the quick grid's two
+    fp16-split cases were within the rule. So "2xfp16" became the default: searched in it the fp16
+    key took 1.75 ms against 2.85 in "3xtf32" (experiments/tune_2eef42b_fp16.json), and the
+    envelope's 20 fp16 cells passed --check against the "3xtf32" baseline, no Inf, outputs within
+    0.241 of the rule (0.25 before; experiments/envelope_fp16_2xfp16_2eef42b/). "3xtf32" and
+    "3xfp16" are opt-ins.
   In every 16-bit mode the chunk-state matmul (whose result, final_states, is float32) splits its
   float32 operand in three terms against the exact 16-bit one: float32-grade states at 3 MMAs of
-  a small matmul; in 'input' with bf16 x, a call that returns no states runs it in 'input',
-  one MMA (``state_precision``). The terms are bf16 in the bf16 split modes and for bf16 x in 'input', TF32
-  otherwise (``state_precision``).
+  a small matmul; in 'input' with bf16 x, a call that returns no states runs it in 'input', one
+  MMA. The terms are bf16 in the bf16 split modes and for bf16 x in 'input', TF32 otherwise
+  (``state_precision``).
 State dtype (``state_dtype=``): chunk_states are stored in x's 16-bit dtype in the 'input' mode
 (the default for bf16 x), where compute_out rounds every entering state to that dtype before its
 matmul anyway: outputs are bit-identical to float32 storage (H200, 6106f85: the three anchor
@@ -301,9 +302,8 @@ def state_precision(mode: str, x_dtype: torch.dtype, states_returned: bool = Tru
     over the envelope's bf16 cells) at three MMAs instead of one. On the H200 (benches at
     9c63aa5 and d69d2e3, experiments/bench_anchors_*) the first anchor's states stage went from
     0.434 to 0.301 ms, its normwise output error from 2.35e-3 to 2.38e-3 (mamba_ssm 2.37e-3),
-    its max error unchanged (7.89e-2). (fp16 x keeps the split there:
-    the weighted x rounded to fp16 could overflow past 65504.) Else float32-grade for 16-bit x
-    (final_states are float32),
+    its max error unchanged (7.89e-2). (fp16 x keeps the split there: the weighted x rounded to
+    fp16 could overflow past 65504.) Else float32-grade for 16-bit x (final_states are float32),
     in three bf16 terms for bf16 x in the bf16 modes (~2^-27 per product against the exact bf16
     operand; at (8, 4096, 64 heads) the states stage took 0.54 ms this way against 0.87 ms in
     three TF32 terms at the same tiles, reports/h200/experiments/tune_21181f8_gpu0.json; over the
