@@ -465,16 +465,15 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                head_block=head_block_for(key.nheads), has_bias=key.has_bias,
                                softplus=key.softplus, has_limit=key.has_limit, wide=wide)
     per_seq_start_dtype = key.start_dtype if key.per_seq_start else f32
+    states_mode = state_precision(mode, key.x_dtype, key.states_returned)
     # Increments summed in 'input' (bf16 x, a call that returns no states) are stored in bf16, as
     # the states they add up to are: half the traffic between the two kernels.
-    increment_dtype = (torch.bfloat16 if state_precision(mode, key.x_dtype, key.states_returned)
-                       == "input" else f32)
+    increment_dtype = torch.bfloat16 if states_mode == "input" else f32
     chunk_state = ChunkStateConfig(
         x_dtype=key.x_dtype, b_dtype=key.b_dtype, seq_dtype=key.seq_dtype or int32,
         start_dtype=per_seq_start_dtype, cu_dtype=key.cu_dtype or int32, chunk_size=Q,
         row_block=row_block, p_block=p_block, n_block=min(n_pad, STATE_N_BLOCK),
-        precision=state_precision(mode, key.x_dtype, key.states_returned),
-        increment_dtype=increment_dtype, has_seq=has_seq,
+        precision=states_mode, increment_dtype=increment_dtype, has_seq=has_seq,
         per_seq_start=key.per_seq_start, varlen=key.varlen, wide=wide)
     chunk_state = replace(chunk_state, **tuned.get("chunk_state", {}))
     passing_tuned = dict(tuned.get("state_passing", {}))
