@@ -37,7 +37,7 @@ occupancy 2), 1.43 transposed, 1.27 transposed with shared scores, ordered loads
 search in 'input' there (experiments/tune_21b71eb_input.json) chose row block 128 untransposed
 (0.53 ms in the tuner; in the bench, with L2 flushed, 0.43 -> 0.39 ms). Before
 these, ncu found the kernel bound by shared memory (L1/shared 61%, 46% of its wavefronts
-bank-conflict excess; DRAM 12%, occupancy 17%; experiments/ncu_anchor1_4f66ebf.txt): TF32
+bank-conflict excess; DRAM 12%, occupancy 17%; experiments/ncu_anchor1_4f66ebf.txt.gz): TF32
 operands must be K-major on Hopper's tensor cores, so a computed or loaded tile in the other
 order is transposed through shared memory; the transposed orientation needs fewer of those.
 Reading bf16 chunk states ('input''s default since 5b56790) the first anchor's transposed tiles

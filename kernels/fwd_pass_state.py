@@ -31,8 +31,8 @@ A fused kernel that walked each (row, head, tile) through the chunks, computing 
 where the walk needs it (none stored), lost at all three anchor shapes: 0.70 vs 0.54, 0.42 vs
 0.32 and 2.29 vs 1.22 ms at the best tiles of each (21181f8, since removed): the chunks of a row
 lose their parallelism to save a round trip that costs little. ncu (4f66ebf, reports/h200/
-experiments/ncu_anchor1_4f66ebf.txt): state_passing_kernel 0.13 ms at 3.96 TB/s (82% of DRAM
-peak). chunk_state_kernel is latency-bound (occupancy 17%, experiments/ncu_anchor0_6106f85.txt):
+experiments/ncu_anchor1_4f66ebf.txt.gz): state_passing_kernel 0.13 ms at 3.96 TB/s (82% of DRAM
+peak). chunk_state_kernel is latency-bound (occupancy 17%, experiments/ncu_anchor0_6106f85.txt.gz):
 a latency hint of 6 on its x and B loads took the states stage from 0.52 to 0.43 ms at the first
 anchor, 10 from 0.26 to 0.24 at the second (tuner, bf16 chunk states, 5b56790; the sm_90 cubins
 differ with the hint).

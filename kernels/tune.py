@@ -55,7 +55,7 @@ CANDIDATES = {
     # and a wider P block (the transposed orientation's MMA columns), in both orientations and
     # load orders; at the wider block (every anchor's winner since 21181f8) also with the x and
     # B loads' latency hint set (sm_90 cubins differ with it: the kernel is latency-bound, 17%
-    # occupancy in ncu, experiments/ncu_anchor0_6106f85.txt).
+    # occupancy in ncu, experiments/ncu_anchor0_6106f85.txt.gz).
     "chunk_state": [dict(row_block=r, p_block=p, n_block=n, occupancy=o, transposed=t,
                          ordered_loads=l, latency=0, worker_warps=None)
                     for (r, p, n, o), t, l in itertools.product(
