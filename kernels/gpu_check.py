@@ -126,6 +126,10 @@ QUICK_CASES = (
          seqlen=1000, chunk_size=256, D="head", z=True),
     case("fp16-3xfp16-large-magnitude-L1000-init", precision="3xfp16", x_dtype="fp16",
          bc_dtype="fp16", regime="large_magnitude", seqlen=1000, initial_states=True),
+    # out alone in fp16's default ('2xfp16'): chunk states in two scaled fp16 terms.
+    case("fp16-out-only-L4097-Q256-large-magnitude-z", x_dtype="fp16", bc_dtype="fp16",
+         regime="large_magnitude", seqlen=4097, chunk_size=256, D="head", z=True,
+         return_final_states=False),
     case("bf16x-fp32bc-3xbf16-L1000-init", precision="3xbf16", x_dtype="bf16", seqlen=1000,
          initial_states=True),
     case("bf16-bf16states-L1000-Q128-init", chunk_state_dtype="bf16", x_dtype="bf16",

@@ -303,14 +303,21 @@ def state_precision(mode: str, x_dtype: torch.dtype, states_returned: bool = Tru
     9c63aa5 and d69d2e3, experiments/bench_anchors_*) the first anchor's states stage went from
     0.434 to 0.301 ms, its normwise output error from 2.35e-3 to 2.38e-3 (mamba_ssm 2.37e-3),
     its max error unchanged (7.89e-2). (fp16 x keeps the split there: the weighted x rounded to
-    fp16 could overflow past 65504.) Else float32-grade for 16-bit x (final_states are float32),
+    fp16 could overflow past 65504.) Likewise in '2xfp16' (fp16 x's default), two scaled fp16
+    terms instead of three: compute_out cuts each entering state into two such terms before its
+    matmul (the CPU model: output max errors equal to three-term states' at seven of the
+    envelope's fp16 cells, the states' own error within 1% at six; untimed, branch
+    perf/fp16-out-alone-two-term-states). Else float32-grade for 16-bit x (final_states are
+    float32),
     in three bf16 terms for bf16 x in the bf16 modes (~2^-27 per product against the exact bf16
     operand; at (8, 4096, 64 heads) the states stage took 0.54 ms this way against 0.87 ms in
     three TF32 terms at the same tiles, reports/h200/experiments/tune_21181f8_gpu0.json; over the
     H200 envelope's bf16 cells the states errors changed by 0.72x to 1.01x, the worst unchanged),
     in three scaled fp16 terms in the fp16 splits, the user's mode for float32 x."""
-    if mode == "input" and not states_returned and x_dtype == torch.bfloat16:
+    if not states_returned and mode == "input" and x_dtype == torch.bfloat16:
         return "input"
+    if not states_returned and mode == "2xfp16":
+        return "2xfp16"
     if mode in BF16_SPLITS or (mode == "input" and x_dtype == torch.bfloat16):
         return "3xbf16"
     if mode in FP16_SPLITS:

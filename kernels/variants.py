@@ -120,6 +120,10 @@ COVERING_KEYS = (
                                                 c_dtype=f16), f32, "3xbf16"),
     ("fp16-anchor-b8-L4096-h64-2xfp16", _anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16,
                                                 c_dtype=f16), f32, "2xfp16"),
+    # Out alone in '2xfp16': chunk states in two scaled fp16 terms (kernels.ssd.state_precision).
+    ("fp16-anchor-b8-L4096-h64-2xfp16-out-only",
+     replace(_anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16, c_dtype=f16, has_d=True),
+             states_returned=False), f32, "2xfp16"),
     ("fp16x-bf16b-fp16c-q128-3xfp16", _small(f16, (bf16, f16), 128, 8, 64, 16, 4, z_dtype=f16,
                                              has_d=True), f32, "3xfp16"),
     ("fp16x-bf16b-fp16c-q128-3xbf16", _small(f16, (bf16, f16), 128, 8, 64, 16, 4, z_dtype=f16,

@@ -261,7 +261,8 @@ def test_out_alone_agrees_with_out_beside_its_states():
 def test_input_computes_the_states_of_a_call_that_returns_none_in_input():
     """In 'input' the chunk states of a call that returns out alone only feed compute_out, which
     rounds them to x's dtype: their matmul runs in 'input' too. Returned states (final, varlen,
-    or every stage through ssd_forward_stages) stay float32-grade; other modes are unchanged."""
+    or every stage through ssd_forward_stages) stay float32-grade; in '2xfp16' out alone takes
+    two scaled fp16 terms instead of three (below); other modes are unchanged."""
     from kernels.ssd import ProblemKey, make_plan
     for final, varlen, precision, expected in [(False, False, None, "input"),
                                                (True, False, None, "3xbf16"),
@@ -281,10 +282,15 @@ def test_input_computes_the_states_of_a_call_that_returns_none_in_input():
         assert make_plan(ProblemKey.from_problem(problem, varlen=varlen, wide=False,
                                                  states_returned=True),
                          None, precision).chunk_state.precision != "input"
-    # fp16 x in 'input' keeps its split: its weighted x rounded to fp16 could overflow.
-    fp16 = ProblemKey.from_problem(_tiny(x_dtype="fp16", bc_dtype="fp16", return_final_states=False),
-                                   varlen=False, wide=False)
-    assert make_plan(fp16, None, "input").chunk_state.precision == "3xtf32"
+    # fp16 x in 'input' keeps its split: its weighted x rounded to fp16 could overflow. In
+    # '2xfp16' (its default) out alone takes two scaled fp16 terms, returned states three.
+    for final, precision, expected in [(False, "input", "3xtf32"), (False, None, "2xfp16"),
+                                       (True, None, "3xfp16"), (False, "3xfp16", "3xfp16")]:
+        fp16 = ProblemKey.from_problem(_tiny(x_dtype="fp16", bc_dtype="fp16",
+                                             return_final_states=final), varlen=False, wide=False)
+        plan = make_plan(fp16, None, precision)
+        assert plan.chunk_state.precision == expected, (final, precision)
+        assert plan.chunk_state.increment_dtype == torch.float32
 
 
 def test_the_fp16_splits_take_only_fp16_x_and_keep_float32_grade_states():
