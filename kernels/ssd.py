@@ -60,7 +60,7 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     0.72 in "input" and 1.41 in "tf32" (one MMA): the MMA count and the operand bytes are the cost.
     The CPU model puts both at "3xtf32"'s accuracy on the envelope's fp16 cells
     (tests/test_precision_model.py). On the H200 (e86b2f1, at "3xtf32"'s best tiles,
-    experiments/tune_e86b2f1_fp16_3xtf32.json) compute_out took 1.28 ms in "2xfp16" against 2.06 in
+    experiments/tune_e86b2f1_fp16_3xtf32.json.gz) compute_out took 1.28 ms in "2xfp16" against 2.06 in
     "3xtf32" and the states stage 0.47 against 0.79 in three fp16 terms; the quick grid's two
     fp16-split cases were within the rule. So "2xfp16" became the default: searched in it the fp16
     key took 1.75 ms against 2.85 in "3xtf32" (experiments/tune_2eef42b_fp16.json), and the
