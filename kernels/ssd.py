@@ -306,10 +306,12 @@ def state_precision(mode: str, x_dtype: torch.dtype, states_returned: bool = Tru
     fp16 could overflow past 65504.) Likewise in '2xfp16' (fp16 x's default), two scaled fp16
     terms instead of three: compute_out cuts each entering state into two such terms before its
     matmul (the CPU model: output max errors equal to three-term states' at seven of the
-    envelope's fp16 cells, the states' own error within 1% at six; untimed, branch
-    perf/fp16-out-alone-two-term-states). Else float32-grade for 16-bit x (final_states are
-    float32),
-    in three bf16 terms for bf16 x in the bf16 modes (~2^-27 per product against the exact bf16
+    envelope's fp16 cells, the states' own error within 1% at six). On the H200 (5d543e6) the
+    quick grid's fp16 out-only case passed (32 cases, none breaking the rule) and the fp16
+    bench's states stage took 0.435 ms against three terms' 0.470 (d69d2e3, another run; forward
+    1.612 -> 1.574 ms, 0.68x -> 0.70x mamba_ssm's in each run, errors unchanged:
+    experiments/bench_variants_5d543e6/). Else float32-grade for
+    16-bit x (final_states are float32), in three bf16 terms for bf16 x in the bf16 modes (~2^-27 per product against the exact bf16
     operand; at (8, 4096, 64 heads) the states stage took 0.54 ms this way against 0.87 ms in
     three TF32 terms at the same tiles, reports/h200/experiments/tune_21181f8_gpu0.json; over the
     H200 envelope's bf16 cells the states errors changed by 0.72x to 1.01x, the worst unchanged),

@@ -90,6 +90,11 @@ CANDIDATES = {
                       for (p, n, o, w), t in itertools.product(
                           ((32, 128, 3, None), (32, 128, 4, None), (32, 128, 3, 8), (64, 64, 3, 8)),
                           (False, True))],
+    # With bf16 increments and states (out-alone calls in 'input') P32 x N32 at occupancy 8 won
+    # at every bf16 key searched (5d543e6; 16 compiles to its code), the states stage against
+    # the table's tiles 0.304 -> 0.286 ms at the first anchor, 0.163 -> 0.151 at the second,
+    # 0.721 -> 0.590 at the third (N shrunk to 16 there), 0.649 -> 0.558 at headdim 128
+    # (experiments/tune_5d543e6_state_passing_anchor*_out_alone.json, ..._states_out_alone.json).
     "state_passing": [dict(p_block=p, n_block=n, occupancy=o) for (p, n), o in
                       itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
                                         (None, 4, 8, 16))],
