@@ -30,11 +30,11 @@ the hints 1 and 2 compile the first anchor's kernel to other code (text 28.9 -> 
 A NaN or Inf in x, dt or B at position j also reaches the positions before j in its chunk (and
 other sequences packed in it): their masked weight 0 multiplies it inside the MMA.
 Measured on the H200 (bf16, chunk 256, (8, 4096, 64 heads, 1 group), tuner, same run;
-reports/h200/experiments/tune_322c7d5.json): 1.58 ms as first tuned (row block 64, P block 64,
+reports/h200/experiments/tune_322c7d5.json.gz): 1.58 ms as first tuned (row block 64, P block 64,
 occupancy 2), 1.43 transposed, 1.27 transposed with shared scores, ordered loads and occupancy 4
 (the registers the per-head scores MMA held let 4 blocks share an SM); in 'input' precision
 0.77 ms. At (4, 8192, 32 heads, 8 groups) 0.82 -> 0.70 ms transposed, 0.58 in 'input'; a
-search in 'input' there (experiments/tune_21b71eb_input.json) chose row block 128 untransposed
+search in 'input' there (experiments/tune_21b71eb_input.json.gz) chose row block 128 untransposed
 (0.53 ms in the tuner; in the bench, with L2 flushed, 0.43 -> 0.39 ms). Before
 these, ncu found the kernel bound by shared memory (L1/shared 61%, 46% of its wavefronts
 bank-conflict excess; DRAM 12%, occupancy 17%; experiments/ncu_anchor1_4f66ebf.txt.gz): TF32
@@ -42,14 +42,14 @@ operands must be K-major on Hopper's tensor cores, so a computed or loaded tile 
 order is transposed through shared memory; the transposed orientation needs fewer of those.
 Reading bf16 chunk states ('input''s default since 5b56790) the first anchor's transposed tiles
 took 0.80 ms in the bench against 0.61 on float32 states; a search there
-(experiments/tune_79bdf52_compute_out.json) chose row block 64 untransposed with ordered loads,
+(experiments/tune_79bdf52_compute_out.json.gz) chose row block 64 untransposed with ordered loads,
 occupancy 2: 0.63 ms in the bench; at the second anchor bf16 states took it from 0.39 to 0.33.
 Blocks of 2 or 4 heads of one group (every per-head tile along a leading axis, batched MMAs, so C,
 B and the scores are read once per block) were tried at 45c6102 and removed: the tuner's best, 2
 heads, took 0.65 ms in the bench at the first anchor and 0.325 at the second (one head, 79bdf52:
 0.63 and 0.33; experiments/bench_anchors_422eda8), and a batched MMA, even over one head,
 compiles to other sm_90 code than the 2-d one, slower in the tuner (the table's tile 1.08 vs 0.80
-ms; experiments/tune_1008d4f_compute_out_anchor0.json, tune_79bdf52_compute_out.json).
+ms; experiments/tune_1008d4f_compute_out_anchor0.json, tune_79bdf52_compute_out.json.gz).
 Factoring the decay of the blocks off the diagonal through the row block's start (2^(S_i - S_j) =
 2^(S_i - S_(f-1)) 2^(S_(f-1) - S_j), both factors <= 1: one multiply per score instead of the
 pairwise exponent, mask and exp2) was tried at a190f60 and removed. Timed in one process beside
@@ -62,7 +62,7 @@ and D per channel from 1.003 to 0.956, the third anchor from 1.501 to 1.411, out
 the same (experiments/ab_compute_out_prefetch_abdd947.txt). The occupancy hint 3 at row block 64
 compiles the first anchor's kernel to 80 registers and 72 KB of shared memory (three blocks per
 SM; 128 and 108 KB at occupancy 2): in the tuner 0.585 against 0.722 ms there and 0.315 against
-0.401 at the second anchor (experiments/tune_b3ee563_compute_out_anchor*.json), the tables'
+0.401 at the second anchor (experiments/tune_b3ee563_compute_out_anchor*.json.gz), the tables'
 choice for 16-bit x since; the latency hint at occupancy 2 gained nothing (0.747, 0.401).
 """
 from __future__ import annotations

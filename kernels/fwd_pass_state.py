@@ -24,7 +24,7 @@ h <- carry_weight * h + increment, a few FLOPs per element, so the sequential pa
 through memory, not a chain of matmuls, with batch x heads x tiles blocks in flight (the tiles
 shrink until there are a few per SM), each loading the next chunk's increment ahead of its update.
 Measured on the H200 (bf16 x, chunk 256, the tuner timing both kernels together at (8, 4096,
-64 heads); reports/h200/experiments/tune_21181f8_*.json): 0.54 ms with the chunk-state matmul in
+64 heads); reports/h200/experiments/tune_21181f8_*.json.gz): 0.54 ms with the chunk-state matmul in
 three bf16 terms at its best tiles; at the same tiles 0.87 ms in three TF32 terms, and 0.43 ms
 in one bf16 MMA, which rounds the weighted operand to bf16 (states no longer float32-grade).
 A fused kernel that walked each (row, head, tile) through the chunks, computing every increment

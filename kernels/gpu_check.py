@@ -275,13 +275,13 @@ LAUNCH_COVER_CYCLES = 2_000_000
 def time_ms(fn, reps: int = 5) -> float:
     """Median of ``reps`` CUDA-event timings of fn() after one warm-up call, each after an L2
     flush (untimed), as the benchmark times. The tuner used to time warm: at the first anchor
-    it picked a compute_out tile at 0.74 against 0.88 ms (experiments/tune_21b71eb_input.json)
+    it picked a compute_out tile at 0.74 against 0.88 ms (experiments/tune_21b71eb_input.json.gz)
     that the benchmark found no faster (0.61 ms with either).
 
     Each timed call is queued while the stream sleeps, so the time is the GPU's alone, not the
     host's launch path nor a GPU idling between calls: with the other GPU's tests and compile
     workers on the host, one compute_out tile timed 1.23 ms in one search and 0.80 in another
-    (experiments/tune_422eda8_compute_out_anchor0.json, tune_79bdf52_compute_out.json; 0.63 ms
+    (experiments/tune_422eda8_compute_out_anchor0.json, tune_79bdf52_compute_out.json.gz; 0.63 ms
     in the benchmark)."""
     fn()
     times = []

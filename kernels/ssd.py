@@ -31,7 +31,7 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     rounded to bf16, as mamba_ssm does, while chunk and final states stay float32-grade (below).
     It was "tf32" (those operands rounded to 2^-11, 8x below bf16's own rounding) until the H200
     tuner measured compute_out at 0.77 ms in "input" against 1.27 ms in "tf32" at the best tiles
-    of each (8, 4096, 64 heads; reports/h200/experiments/tune_322c7d5.json); a CPU model of the
+    of each (8, 4096, 64 heads; reports/h200/experiments/tune_322c7d5.json.gz); a CPU model of the
     rounding puts "input" at 0.11-0.28 of the accuracy rule over the envelope's bf16 cells
     (tests/test_precision_model.py). The H200 envelope (a83356f) measured both in one run: over
     the bf16 cells the worst output error rose from 1.71e-3 to 2.38e-3 normwise (0.216 to 0.283
@@ -51,7 +51,7 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     x too (widened, cut in bf16 terms): the H200 grid's fp16 cases passed with it as their default
     (21b71eb) and the tuner took the first anchor's states and compute_out to 3.43 ms with it
     (experiments/tune_21b71eb_fp16_3xbf16.json); timed beside "3xtf32" in one search
-    (experiments/tune_b3ee563_fp16.json) it was slower, compute_out 2.17 against 2.06 ms and the
+    (experiments/tune_b3ee563_fp16.json.gz) it was slower, compute_out 2.17 against 2.06 ms and the
     states stage 1.05 against 0.79 at the best tiles, so it stays an opt-in. "2xfp16" and "3xfp16"
     (fp16 x only; kernels/tile_ops.py) cut the computed operands, scaled by a power of two per row
     (or column) of the product, into 2 or 3 fp16 terms against the raw fp16 ones: fp16 tensor cores
@@ -63,7 +63,7 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     experiments/tune_e86b2f1_fp16_3xtf32.json.gz) compute_out took 1.28 ms in "2xfp16" against 2.06 in
     "3xtf32" and the states stage 0.47 against 0.79 in three fp16 terms; the quick grid's two
     fp16-split cases were within the rule. So "2xfp16" became the default: searched in it the fp16
-    key took 1.75 ms against 2.85 in "3xtf32" (experiments/tune_2eef42b_fp16.json), and the
+    key took 1.75 ms against 2.85 in "3xtf32" (experiments/tune_2eef42b_fp16.json.gz), and the
     envelope's 20 fp16 cells passed --check against the "3xtf32" baseline, no Inf, outputs within
     0.241 of the rule (0.25 before; experiments/envelope_fp16_2xfp16_2eef42b/). "3xtf32" and
     "3xfp16" are opt-ins.
@@ -93,21 +93,21 @@ headdim and dstate, chunk size, x dtype, precision mode, shared scores), else th
 ``make_plan``. The table is written by ``python3 -m kernels.tune`` from H200 measurements (bf16,
 headdim 64, dstate 128, chunk 256): the state passing's tiles from reports/h200/tune.json
 (occupancy 2 for the matmul kernels was its largest single gain), compute_out's from
-reports/h200/experiments/tune_322c7d5.json, which searched its layout knobs in TF32 and probed
+reports/h200/experiments/tune_322c7d5.json.gz, which searched its layout knobs in TF32 and probed
 every bf16 mode at the four fastest (each probed mode has its own entries), then for the default
-'input' from experiments/tune_21b71eb_input.json (searched in 'input' at the first two anchors;
+'input' from experiments/tune_21b71eb_input.json.gz (searched in 'input' at the first two anchors;
 the second anchor's compute_out went from 0.43 to 0.39 ms in the bench), chunk_state's from
-reports/h200/experiments/tune_21181f8_gpu{0,1}.json (its layout knobs, with the 3-term bf16
+reports/h200/experiments/tune_21181f8_gpu{0,1}.json.gz (its layout knobs, with the 3-term bf16
 split), then with its load latency hint and bf16 chunk states from experiments/
-tune_5b56790_chunk_state.json, and the first anchor's compute_out again, reading bf16 states,
-from experiments/tune_79bdf52_compute_out.json (``--table-from`` merges the runs, each stage
+tune_5b56790_chunk_state.json.gz, and the first anchor's compute_out again, reading bf16 states,
+from experiments/tune_79bdf52_compute_out.json.gz (``--table-from`` merges the runs, each stage
 from the latest run that searched it; that run's probes of 'tf32', '2xbf16' and '3xbf16' read
 'input''s bf16 states, so those modes' compute_out tiles at the shared-scores key are
 provisional: the tuner now stores each probed mode's own). Two variant keys in 'input' (and
 their probed modes) come from searches at (8, 4096, 64 heads): headdim 128 (chunk_state from
-experiments/tune_1008d4f_headdim128.json, compute_out from tune_96d9c8b_headdim128_compute_out.json;
-the bench went from 4.14 to 2.14 ms, 0.41x -> 0.80x mamba_ssm) and dstate 64
-(tune_96d9c8b_dstate64_{chunk_state,compute_out}.json; 0.82x mamba_ssm in the bench,
+experiments/tune_1008d4f_headdim128.json.gz, compute_out from
+tune_96d9c8b_headdim128_compute_out.json.gz; the bench went from 4.14 to 2.14 ms, 0.41x -> 0.80x mamba_ssm) and dstate 64
+(tune_96d9c8b_dstate64_{chunk_state,compute_out}.json.gz; 0.82x mamba_ssm in the bench,
 experiments/bench_variants_96d9c8b). Other keys are untuned. A user tunes their own
 shapes with ``python3 -m kernels.tune --shape B,L,H,P,N,G[,dtype] --out DIR --cache``: the winners
 go to a per-user cache (``tuning_cache_path()``, kept per GPU model), which takes precedence over
@@ -155,7 +155,7 @@ TUNED_TABLE = os.path.join(os.path.dirname(__file__), "tuned.json")
 # What precision='auto' means per x dtype (module docstring says why).
 AUTO_PRECISION = {torch.float32: "3xbf16", torch.bfloat16: "input", torch.float16: "2xfp16"}
 # Heads per group from which compute_out shares the scores C_i . B_j^T across them. On the H200
-# (tuner, bf16, reports/h200/experiments/tune_322c7d5.json) sharing won with 64 heads per group
+# (tuner, bf16, reports/h200/experiments/tune_322c7d5.json.gz) sharing won with 64 heads per group
 # (tf32 1.27 vs 1.43 ms at the best tiles: freed registers let 4 blocks share an SM) and lost
 # with 4 (0.80 vs 0.70 ms: the (b, L, G, Q) scores traffic outweighs 4 small MMAs); 8 is between.
 SHARED_SCORES_MIN_HEADS = 8
@@ -313,7 +313,7 @@ def state_precision(mode: str, x_dtype: torch.dtype, states_returned: bool = Tru
     experiments/bench_variants_5d543e6/). Else float32-grade for
     16-bit x (final_states are float32), in three bf16 terms for bf16 x in the bf16 modes (~2^-27 per product against the exact bf16
     operand; at (8, 4096, 64 heads) the states stage took 0.54 ms this way against 0.87 ms in
-    three TF32 terms at the same tiles, reports/h200/experiments/tune_21181f8_gpu0.json; over the
+    three TF32 terms at the same tiles, reports/h200/experiments/tune_21181f8_gpu0.json.gz; over the
     H200 envelope's bf16 cells the states errors changed by 0.72x to 1.01x, the worst unchanged),
     in three scaled fp16 terms in the fp16 splits, the user's mode for float32 x."""
     if not states_returned and mode == "input" and x_dtype == torch.bfloat16:

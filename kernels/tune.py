@@ -29,6 +29,7 @@ that searches: calls never do.
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
 import os
@@ -94,12 +95,13 @@ CANDIDATES = {
     # at every bf16 key searched (5d543e6; 16 compiles to its code), the states stage against
     # the table's tiles 0.304 -> 0.286 ms at the first anchor, 0.163 -> 0.151 at the second,
     # 0.721 -> 0.590 at the third (N shrunk to 16 there), 0.649 -> 0.558 at headdim 128
-    # (experiments/tune_5d543e6_state_passing_anchor*_out_alone.json, ..._states_out_alone.json).
+    # (experiments/tune_5d543e6_state_passing_anchor*_out_alone.json.gz,
+    # tune_5d543e6_*_states_out_alone.json.gz).
     "state_passing": [dict(p_block=p, n_block=n, occupancy=o) for (p, n), o in
                       itertools.product(((16, 16), (32, 16), (32, 32), (32, 64), (64, 64)),
                                         (None, 4, 8, 16))],
     # Occupancy 2 or 4 won every compute_out search so far (reports/h200/tune.json,
-    # experiments/tune_322c7d5.json): the layout knobs get the room instead. At occupancy 2
+    # experiments/tune_322c7d5.json.gz): the layout knobs get the room instead. At occupancy 2
     # (every anchor's winner since 79bdf52) also with the column blocks' load latency hint at 2
     # (1 and 2 change the sm_90 code, 3 and up do not: kernels/compute_out.py). Occupancy 3
     # too: the hint sets how deep tileiras pipelines the loads, and at the first anchor's row
@@ -456,7 +458,8 @@ def main(argv=None) -> int:
                              "dispatcher's choice); the others keep the dispatcher's choice")
     parser.add_argument("--table-from", metavar="TUNE_JSON", action="append", default=[],
                         help="no tuning: write the table from the shapes a saved tune.json "
-                             "completed (its provenance is kept); repeatable, oldest first: a "
+                             "(or tune.json.gz) completed (its provenance is kept); repeatable, "
+                             "oldest first: a "
                              "later run's winners replace an earlier one's for the stages it "
                              "searched")
     parser.add_argument("--out-alone", action="store_true",
@@ -468,7 +471,8 @@ def main(argv=None) -> int:
     if args.table_from:
         runs = []
         for path in args.table_from:
-            with open(path) as f:
+            # Superseded runs are kept gzipped (the tree that travels to the H200 is size-bound).
+            with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
                 runs.append(json.load(f))
         write_table(merged_table(runs, command))
         return 0

@@ -4,6 +4,7 @@ never what is computed; CI compiles the variants it picks (tests/test_compile.py
 checks their numbers."""
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -194,6 +195,11 @@ def test_later_runs_replace_the_stages_they_searched(tmp_path, monkeypatch):
     second = run("second", ("chunk_state",), 64, 64, 64)
     monkeypatch.setattr(tune, "TABLE_PATH", str(tmp_path / "tuned.json"))
     assert tune.main(["--table-from", first, "--table-from", second]) == 0
+    _check_merged(json.loads((tmp_path / "tuned.json").read_text()))
+    # The same runs kept gzipped give the same entries.
+    zipped = tmp_path / "first.json.gz"
+    zipped.write_bytes(gzip.compress(Path(first).read_bytes()))
+    assert tune.main(["--table-from", str(zipped), "--table-from", second]) == 0
     _check_merged(json.loads((tmp_path / "tuned.json").read_text()))
 
     # A third run that searched compute_out in the probed mode, then a fourth that only probed
