@@ -60,10 +60,10 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     0.72 in "input" and 1.41 in "tf32" (one MMA): the MMA count and the operand bytes are the cost.
     The CPU model puts both at "3xtf32"'s accuracy on the envelope's fp16 cells
     (tests/test_precision_model.py). On the H200 (e86b2f1, at "3xtf32"'s best tiles,
-    experiments/tune_e86b2f1_fp16_3xtf32.json.gz) compute_out took 1.28 ms in "2xfp16" against 2.06 in
-    "3xtf32" and the states stage 0.47 against 0.79 in three fp16 terms; the quick grid's two
-    fp16-split cases were within the rule. So "2xfp16" became the default: searched in it the fp16
-    key took 1.75 ms against 2.85 in "3xtf32" (experiments/tune_2eef42b_fp16.json.gz), and the
+    experiments/tune_e86b2f1_fp16_3xtf32.json.gz) compute_out took 1.28 ms in "2xfp16" against
+    2.06 in "3xtf32" and the states stage 0.47 against 0.79 in three fp16 terms; the quick grid's
+    two fp16-split cases were within the rule. So "2xfp16" became the default: searched in it the
+    fp16 key took 1.75 ms against 2.85 in "3xtf32" (experiments/tune_2eef42b_fp16.json.gz), and the
     envelope's 20 fp16 cells passed --check against the "3xtf32" baseline, no Inf, outputs within
     0.241 of the rule (0.25 before; experiments/envelope_fp16_2xfp16_2eef42b/). "3xtf32" and
     "3xfp16" are opt-ins.
@@ -106,7 +106,8 @@ from the latest run that searched it; that run's probes of 'tf32', '2xbf16' and 
 provisional: the tuner now stores each probed mode's own). Two variant keys in 'input' (and
 their probed modes) come from searches at (8, 4096, 64 heads): headdim 128 (chunk_state from
 experiments/tune_1008d4f_headdim128.json.gz, compute_out from
-tune_96d9c8b_headdim128_compute_out.json.gz; the bench went from 4.14 to 2.14 ms, 0.41x -> 0.80x mamba_ssm) and dstate 64
+tune_96d9c8b_headdim128_compute_out.json.gz; the bench went from 4.14 to 2.14 ms, 0.41x ->
+0.80x mamba_ssm) and dstate 64
 (tune_96d9c8b_dstate64_{chunk_state,compute_out}.json.gz; 0.82x mamba_ssm in the bench,
 experiments/bench_variants_96d9c8b). Other keys are untuned. A user tunes their own
 shapes with ``python3 -m kernels.tune --shape B,L,H,P,N,G[,dtype] --out DIR --cache``: the winners
@@ -310,12 +311,13 @@ def state_precision(mode: str, x_dtype: torch.dtype, states_returned: bool = Tru
     quick grid's fp16 out-only case passed (32 cases, none breaking the rule) and the fp16
     bench's states stage took 0.435 ms against three terms' 0.470 (d69d2e3, another run; forward
     1.612 -> 1.574 ms, 0.68x -> 0.70x mamba_ssm's in each run, errors unchanged:
-    experiments/bench_variants_5d543e6/). Else float32-grade for
-    16-bit x (final_states are float32), in three bf16 terms for bf16 x in the bf16 modes (~2^-27 per product against the exact bf16
-    operand; at (8, 4096, 64 heads) the states stage took 0.54 ms this way against 0.87 ms in
-    three TF32 terms at the same tiles, reports/h200/experiments/tune_21181f8_gpu0.json.gz; over the
-    H200 envelope's bf16 cells the states errors changed by 0.72x to 1.01x, the worst unchanged),
-    in three scaled fp16 terms in the fp16 splits, the user's mode for float32 x."""
+    experiments/bench_variants_5d543e6/). Else float32-grade for 16-bit x (final_states are
+    float32), in three bf16 terms for bf16 x in the bf16 modes (~2^-27 per product against the
+    exact bf16 operand; at (8, 4096, 64 heads) the states stage took 0.54 ms this way against
+    0.87 ms in three TF32 terms at the same tiles, reports/h200/experiments/
+    tune_21181f8_gpu0.json.gz; over the H200 envelope's bf16 cells the states errors changed by
+    0.72x to 1.01x, the worst unchanged), in three scaled fp16 terms in the fp16 splits, the
+    user's mode for float32 x."""
     if not states_returned and mode == "input" and x_dtype == torch.bfloat16:
         return "input"
     if not states_returned and mode == "2xfp16":
