@@ -45,6 +45,19 @@ def tileiras_env() -> dict[str, str]:
     return env
 
 
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int | None:
+    """The SMs of a CUDA device; None for any other (the host code also runs on meta and CPU
+    tensors, in CI)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def require_gpu(x: torch.Tensor) -> None:
     """x (and so every input: the contract checks they share its device) must be on a GPU that
     torch can drive, and cuTile must be able to compile."""

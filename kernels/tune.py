@@ -115,13 +115,20 @@ CANDIDATES = {
     # best with 8 worker warps against 0.586 at 4
     # (experiments/tune_2eef42b_compute_out_anchor0_out_alone.json).
     "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, ordered_loads=l,
-                         latency=h, worker_warps=w)
+                         latency=h, worker_warps=w, persistent=False)
                     for (r, p, o, h, w), t, l in itertools.product(
                         ((64, 64, 2, 0, None), (64, 64, 4, 0, None), (64, 32, 4, 0, None),
                          (128, 64, 2, 0, None), (64, 64, 2, 2, None), (128, 64, 2, 2, None),
                          (64, 64, 3, 0, None), (128, 64, 3, 0, None), (64, 64, 3, 0, 8),
                          (64, 64, 2, 0, 8), (64, 32, 4, 0, 8)),
-                        (False, True), (False, True))],
+                        (False, True), (False, True))]
+                   # Persistent at the tiles that won so far: blocks of ~7 us each at the first
+                   # anchor, and ncu found 25.7% achieved occupancy against 37.5% possible
+                   # (experiments/ncu_anchor0_out_alone_5d543e6.txt.gz). Untimed.
+                   + [dict(row_block=r, p_block=64, occupancy=o, transposed=t, ordered_loads=False,
+                           latency=0, worker_warps=None, persistent=True)
+                      for (r, o), t in itertools.product(((64, 3), (64, 4), (128, 2)),
+                                                         (False, True))],
 }
 PROBED_CANDIDATES = 4
 # The kernels whose configs a stage's candidates change (compute_out's row block also sets the

@@ -162,6 +162,20 @@ def _h200_kernel_names() -> list[str]:
                                  report.read_text())))
 
 
+def test_persistent_compute_out_launches_the_blocks_the_gpu_holds(monkeypatch):
+    """``persistent``: SMs x the occupancy hint blocks, never more than the tiles; one block per
+    tile without it, or off a CUDA device (where the host code runs on meta or CPU tensors)."""
+    from kernels import compute_out
+    from kernels.compute_out import ComputeOutConfig, launch_blocks
+    cfg, cpu = ComputeOutConfig(persistent=True, occupancy=3), torch.device("cpu")
+    assert launch_blocks(32768, cfg, cpu) == 32768
+    monkeypatch.setattr(compute_out, "sm_count", lambda device: 132)
+    assert launch_blocks(32768, cfg, cpu) == 396
+    assert launch_blocks(100, cfg, cpu) == 100
+    assert launch_blocks(32768, replace(cfg, occupancy=None), cpu) == 132
+    assert launch_blocks(32768, replace(cfg, persistent=False), cpu) == 32768
+
+
 def test_launch_signatures_are_the_ones_the_h200_compiled():
     """The arrays' constraints CI compiles with (``launch_signatures``: the host code on meta
     tensors, ``tile_ops.launch_constraint`` on each argument) are those of the cubins the JIT

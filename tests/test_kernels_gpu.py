@@ -109,20 +109,47 @@ def _with_knobs(problem, precision, field: str, knobs: dict):
                                    dict(shared_scores=True, latency=2),
                                    dict(transposed=True, ordered_loads=True, latency=2),
                                    dict(occupancy=3, worker_warps=8),
-                                   dict(transposed=True, worker_warps=8)],
+                                   dict(transposed=True, worker_warps=8),
+                                   dict(occupancy=3, persistent=True),
+                                   dict(transposed=True, occupancy=2, persistent=True)],
                          ids=lambda k: "+".join(k))
 def test_compute_out_tuner_knobs_compute_the_same_output(x_dtype, precision, knobs):
     """compute_out's tuner knobs change operand layouts (``transposed``: y^T = h C^T + x^T W^T),
     where the scores come from (``shared_scores``: kernels/chunk_scores.py), whether operands
     are read transposed or transposed after loading (``ordered_loads``), how the loads are
     scheduled (``latency``) and how many warps share the work (``occupancy``, ``worker_warps``),
-    not the sums: the output agrees with the default kernel to a rounding."""
+    not the sums; nor does ``persistent`` (resident blocks walking the tiles): the output
+    agrees with the default kernel to a rounding."""
     problem = _knob_problem(x_dtype)
     outs = []
     for changes in ({}, knobs):
         pipeline = _with_knobs(problem, precision, "out", changes)
         dt, cumsum = pipeline.cumsum()
         states, _, _ = pipeline.states(dt, cumsum)
+        outs.append(pipeline.out(dt, cumsum, states).double())
+    tol = relation_tolerance(problem.x.dtype, float(outs[0].abs().max()))
+    assert float((outs[0] - outs[1]).abs().max()) <= tol
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("transposed", [False, True])
+def test_persistent_blocks_walk_every_tile(monkeypatch, transposed):
+    """With the SM count taken as 1, three persistent blocks walk all 96 tiles of the knob
+    problem (packed sequences, per-sequence initial states, D and z), 32 each: the output equals
+    one block per tile's to a rounding."""
+    from kernels import compute_out
+    monkeypatch.setattr(compute_out, "sm_count", lambda device: 1)
+    problem = _knob_problem("bf16")
+    outs = []
+    for changes in (dict(transposed=transposed),
+                    dict(transposed=transposed, occupancy=3, persistent=True, p_block=64)):
+        pipeline = _with_knobs(problem, None, "out", changes)
+        dt, cumsum = pipeline.cumsum()
+        states, _, _ = pipeline.states(dt, cumsum)
+        tiles = 3 * 4 * 8         # chunks x row blocks x heads, one P block
+        assert compute_out.launch_blocks(tiles, pipeline.plan.out, problem.x.device) == (
+            3 if changes.get("persistent") else tiles)
         outs.append(pipeline.out(dt, cumsum, states).double())
     tol = relation_tolerance(problem.x.dtype, float(outs[0].abs().max()))
     assert float((outs[0] - outs[1]).abs().max()) <= tol
