@@ -75,7 +75,6 @@ import cuda.tile as ct
 import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
-from kernels.device import sm_count
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
                               index_placeholder, index_variants, is_16bit, kernel_signature,
                               latency_hint, load_log2_cumsum, load_transposed,
@@ -399,16 +398,6 @@ def compute_out(inp: OutInputs, cfg: ComputeOutConfig) -> torch.Tensor:
             inp.start_states if inp.start_states is not None else placeholder.view(1, 1, 1, 1),
             inp.cu_seqlens if inp.cu_seqlens is not None else index_placeholder(out.device),
             out, L, H, H // inp.B.shape[2], npb, ntiles, *cfg.constants())
-    ct.launch(torch.cuda.current_stream(), (launch_blocks(ntiles, cfg, out.device),), cfg.kernel,
+    ct.launch(torch.cuda.current_stream(), (cfg.launch_blocks(ntiles, out.device),), cfg.kernel,
               args)
     return out
-
-
-def launch_blocks(ntiles: int, cfg: ComputeOutConfig, device: torch.device) -> int:
-    """One block per output tile, or with ``cfg.persistent`` the blocks the GPU holds at once
-    (its SMs times the occupancy hint), each walking the tiles. Off a CUDA device (the host code
-    on meta or CPU tensors in CI) one per tile too."""
-    sms = sm_count(device)
-    if not cfg.persistent or sms is None:
-        return ntiles
-    return min(ntiles, sms * (cfg.occupancy or 1))

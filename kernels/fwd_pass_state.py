@@ -36,6 +36,8 @@ peak). chunk_state_kernel is latency-bound (occupancy 17%, experiments/ncu_ancho
 a latency hint of 6 on its x and B loads took the states stage from 0.52 to 0.43 ms at the first
 anchor, 10 from 0.26 to 0.24 at the second (tuner, bf16 chunk states, 5b56790; the sm_90 cubins
 differ with the hint).
+``persistent`` (a tuner knob, ``KernelVariant.launch_blocks``) launches chunk_state as the
+blocks the SMs hold at once, each walking tiles ``ct.num_blocks(0)`` apart; untimed.
 """
 from __future__ import annotations
 
@@ -128,16 +130,17 @@ def chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_
     return acc
 
 
-def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seqlens,
-                       target_ends, increment, carry_weight,
-                       seqlen, nchunks, ntargets, nheads, heads_per_group, n_p_blocks, n_n_blocks,
-                       CHUNK: ct.Constant[int], ROW_BLOCK: ct.Constant[int],
-                       P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int],
-                       MODE: ct.Constant[int],
-                       HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
-                       VARLEN: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
-                       ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int]):
-    head, p_block, n_block, rest = split_block_index(ct.bid(0), nheads, n_p_blocks, n_n_blocks)
+@ct.function
+def increment_tile(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seqlens, target_ends,
+                   increment, carry_weight, seqlen, nchunks, ntargets, nheads, heads_per_group,
+                   n_p_blocks, n_n_blocks, pid, CHUNK: ct.Constant[int],
+                   ROW_BLOCK: ct.Constant[int], P_BLOCK: ct.Constant[int],
+                   N_BLOCK: ct.Constant[int], MODE: ct.Constant[int], HAS_SEQ: ct.Constant[bool],
+                   PER_SEQ_START: ct.Constant[bool], VARLEN: ct.Constant[bool],
+                   TRANSPOSED: ct.Constant[bool], ORDERED_LOADS: ct.Constant[bool],
+                   LATENCY: ct.Constant[int]):
+    """Tile ``pid``: one target's increment for one head and P x N tile, and its carry weight."""
+    head, p_block, n_block, rest = split_block_index(pid, nheads, n_p_blocks, n_n_blocks)
     target = rest % ntargets
     batch = rest // ntargets
     group = head // heads_per_group
@@ -175,6 +178,34 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
 
     ct.store(increment, (batch, target, head, p_block, n_block),
              acc.reshape((1, 1, 1, P_BLOCK, N_BLOCK)).astype(increment.dtype))
+
+
+def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seqlens,
+                       target_ends, increment, carry_weight,
+                       seqlen, nchunks, ntargets, nheads, heads_per_group, n_p_blocks, n_n_blocks,
+                       ntiles, CHUNK: ct.Constant[int], ROW_BLOCK: ct.Constant[int],
+                       P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int],
+                       MODE: ct.Constant[int],
+                       HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
+                       VARLEN: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
+                       ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int],
+                       PERSISTENT: ct.Constant[bool]):
+    # PERSISTENT: resident blocks walk the ntiles tiles (KernelVariant.launch_blocks); at the
+    # first anchor ncu measured 17% achieved occupancy against 25% possible
+    # (experiments/ncu_anchor0_out_alone_5d543e6.txt.gz).
+    if PERSISTENT:
+        for tile in range(ct.bid(0), ntiles, ct.num_blocks(0)):
+            increment_tile(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seqlens,
+                           target_ends, increment, carry_weight, seqlen, nchunks, ntargets,
+                           nheads, heads_per_group, n_p_blocks, n_n_blocks, tile, CHUNK,
+                           ROW_BLOCK, P_BLOCK, N_BLOCK, MODE, HAS_SEQ, PER_SEQ_START, VARLEN,
+                           TRANSPOSED, ORDERED_LOADS, LATENCY)
+    else:
+        increment_tile(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seqlens,
+                       target_ends, increment, carry_weight, seqlen, nchunks, ntargets, nheads,
+                       heads_per_group, n_p_blocks, n_n_blocks, ct.bid(0), CHUNK, ROW_BLOCK,
+                       P_BLOCK, N_BLOCK, MODE, HAS_SEQ, PER_SEQ_START, VARLEN, TRANSPOSED,
+                       ORDERED_LOADS, LATENCY)
 
 
 def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, chunk_states,
@@ -247,11 +278,12 @@ class ChunkStateConfig(KernelVariant):
     wide: bool = False
     occupancy: int | None = None
     worker_warps: int | None = None     # tile_ops.with_hints; None: the compiler's (4)
+    persistent: bool = False            # KernelVariant.launch_blocks
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_block,
                 MODE[self.precision], self.has_seq, self.per_seq_start, self.varlen,
-                self.transposed, self.ordered_loads, self.latency)
+                self.transposed, self.ordered_loads, self.latency, self.persistent)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
@@ -261,7 +293,7 @@ class ChunkStateConfig(KernelVariant):
             array_constraint(self.seq_dtype, 2), array_constraint(self.start_dtype, 4, w),
             array_constraint(self.cu_dtype, 1), array_constraint(i32, 1),
             array_constraint(self.increment_dtype, 5, w), array_constraint(f32, 3),
-            *(scalar_constraint(i32) for _ in range(7)), *self.constants()])
+            *(scalar_constraint(i32) for _ in range(8)), *self.constants()])
 
     def describe(self) -> str:
         return (f"chunk_state x={self.x_dtype} B={self.b_dtype} Q={self.chunk_size} "
@@ -270,7 +302,7 @@ class ChunkStateConfig(KernelVariant):
                 f"per_seq_start={self.per_seq_start} varlen={self.varlen} "
                 f"transposed={self.transposed} ordered_loads={self.ordered_loads} "
                 f"latency={self.latency} int64={self.wide} occupancy={self.occupancy} "
-                f"worker_warps={self.worker_warps}")
+                f"worker_warps={self.worker_warps} persistent={self.persistent}")
 
 
 @dataclass(frozen=True)
@@ -348,10 +380,11 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
     target_ends = ends if ends is not None else placeholder_int
     npb, nnb = -(-P // chunk_cfg.p_block), -(-N // chunk_cfg.n_block)
     stream = torch.cuda.current_stream()
-    ct.launch(stream, (ntargets * b * H * npb * nnb,), chunk_cfg.kernel,
+    ntiles = ntargets * b * H * npb * nnb
+    ct.launch(stream, (chunk_cfg.launch_blocks(ntiles, dev),), chunk_cfg.kernel,
               (inp.x, inp.B, inp.dt, inp.log2_decay_cumsum, inp.A, seq_idx, start, cu, target_ends,
                increment, carry_weight, L, nchunks, ntargets, H, H // inp.B.shape[2], npb, nnb,
-               *chunk_cfg.constants()))
+               ntiles, *chunk_cfg.constants()))
 
     chunk_states = torch.empty(b, nchunks, H, P, N, device=dev, dtype=pass_cfg.state_dtype)
     final_states = torch.empty(b, H, P, N, device=dev, dtype=f32)

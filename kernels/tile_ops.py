@@ -60,6 +60,8 @@ import cuda.tile as ct
 import torch
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 
+from kernels.device import sm_count
+
 LOG2_E = math.log2(math.e)
 # Every kernel treats softplus(v) as v above this (e^-20 ~ 2e-9 absolute), as the contract allows.
 SOFTPLUS_IDENTITY_THRESHOLD = 20.0
@@ -365,10 +367,21 @@ class KernelVariant:
     ``worker_warps`` hint where the config has one (the MMA kernels')."""
 
     worker_warps = None
+    persistent = False      # the MMA kernels' knob: resident blocks walk the tiles
 
     @property
     def kernel(self):
         return with_hints(self.VARIANTS[self.wide], self.occupancy, self.worker_warps)
+
+    def launch_blocks(self, ntiles: int, device: torch.device) -> int:
+        """The grid: one block per tile, or with ``persistent`` the blocks the GPU holds at once
+        (its SMs times the occupancy hint; never more than the tiles), each walking tiles
+        ``ct.num_blocks(0)`` apart. Off a CUDA device (the host code on meta or CPU tensors in
+        CI) one per tile too."""
+        sms = sm_count(device)
+        if not self.persistent or sms is None:
+            return ntiles
+        return min(ntiles, sms * (self.occupancy or 1))
 
 
 def array_constraint(dtype: torch.dtype, ndim: int, wide: bool = False) -> ArrayConstraint:

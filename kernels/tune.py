@@ -58,19 +58,19 @@ CANDIDATES = {
     # B loads' latency hint set (sm_90 cubins differ with it: the kernel is latency-bound, 17%
     # occupancy in ncu, experiments/ncu_anchor0_6106f85.txt.gz).
     "chunk_state": [dict(row_block=r, p_block=p, n_block=n, occupancy=o, transposed=t,
-                         ordered_loads=l, latency=0, worker_warps=None)
+                         ordered_loads=l, latency=0, worker_warps=None, persistent=False)
                     for (r, p, n, o), t, l in itertools.product(
                         ((64, 32, 128, 2), (64, 32, 64, 2), (128, 32, 64, 2), (64, 64, 128, 2)),
                         (False, True), (False, True))]
                    + [dict(row_block=64, p_block=64, n_block=128, occupancy=2, transposed=t,
-                           ordered_loads=l, latency=h, worker_warps=None)
+                           ordered_loads=l, latency=h, worker_warps=None, persistent=False)
                       for t, l, h in itertools.product((False, True), (False, True), (2, 6, 10))]
                    # Occupancy 3 at that block, with the table's hint and without: at the first
                    # anchor, transposed, one more code (80 registers and 73 KB of shared memory,
                    # against 128 and 110 KB at 2); untransposed, occupancy 2's codes (the search
                    # times each code once).
                    + [dict(row_block=64, p_block=64, n_block=128, occupancy=3, transposed=t,
-                           ordered_loads=l, latency=h, worker_warps=None)
+                           ordered_loads=l, latency=h, worker_warps=None, persistent=False)
                       for t, l, h in itertools.product((False, True), (False, True), (0, 6))]
                    # 8 worker warps instead of the compiler's 4 (384 threads, not 256): at the
                    # first anchor's block 80 registers instead of 128 and the same ~112 KB of
@@ -87,10 +87,16 @@ CANDIDATES = {
                    # these blocks 0.354 ms at best against the table's 0.304
                    # (experiments/tune_2eef42b_chunk_state_anchor0_out_alone.json).
                    + [dict(row_block=64, p_block=p, n_block=n, occupancy=o, transposed=t,
-                           ordered_loads=False, latency=6, worker_warps=w)
+                           ordered_loads=False, latency=6, worker_warps=w, persistent=False)
                       for (p, n, o, w), t in itertools.product(
                           ((32, 128, 3, None), (32, 128, 4, None), (32, 128, 3, 8), (64, 64, 3, 8)),
-                          (False, True))],
+                          (False, True))]
+                   # Persistent at the table's tiles (17% achieved occupancy against 25% possible
+                   # in ncu at the first anchor, experiments/ncu_anchor0_out_alone_5d543e6.txt.gz).
+                   # Untimed.
+                   + [dict(row_block=64, p_block=64, n_block=128, occupancy=2, transposed=t,
+                           ordered_loads=l, latency=h, worker_warps=None, persistent=True)
+                      for t, l, h in itertools.product((False, True), (False, True), (6, 10))],
     # With bf16 increments and states (out-alone calls in 'input') P32 x N32 at occupancy 8 won
     # at every bf16 key searched (5d543e6; 16 compiles to its code), the states stage against
     # the table's tiles 0.304 -> 0.286 ms at the first anchor, 0.163 -> 0.151 at the second,

@@ -139,7 +139,7 @@ COVERING_KEYS = (
      "2xfp16", {"out": {"transposed": True}, "chunk_state": {"transposed": True}}),
     ("anchor-b8-L4096-h64-out-only-persistent",
      replace(_anchor(8, 4096, 64, 1, has_d=True), states_returned=False), None, None,
-     {"out": {"persistent": True}}),
+     {"out": {"persistent": True}, "chunk_state": {"persistent": True}}),
     ("anchor-b8-L4096-h64-out-latency", _anchor(8, 4096, 64, 1), None, None,
      {"out": {"latency": 2}}),
     ("anchor-b8-L4096-h64-out-occupancy4", _anchor(8, 4096, 64, 1), None, None,

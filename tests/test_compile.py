@@ -162,18 +162,23 @@ def _h200_kernel_names() -> list[str]:
                                  report.read_text())))
 
 
-def test_persistent_compute_out_launches_the_blocks_the_gpu_holds(monkeypatch):
-    """``persistent``: SMs x the occupancy hint blocks, never more than the tiles; one block per
-    tile without it, or off a CUDA device (where the host code runs on meta or CPU tensors)."""
-    from kernels import compute_out
-    from kernels.compute_out import ComputeOutConfig, launch_blocks
-    cfg, cpu = ComputeOutConfig(persistent=True, occupancy=3), torch.device("cpu")
-    assert launch_blocks(32768, cfg, cpu) == 32768
-    monkeypatch.setattr(compute_out, "sm_count", lambda device: 132)
-    assert launch_blocks(32768, cfg, cpu) == 396
-    assert launch_blocks(100, cfg, cpu) == 100
-    assert launch_blocks(32768, replace(cfg, occupancy=None), cpu) == 132
-    assert launch_blocks(32768, replace(cfg, persistent=False), cpu) == 32768
+def test_persistent_kernels_launch_the_blocks_the_gpu_holds(monkeypatch):
+    """``persistent`` (compute_out's and chunk_state's knob): SMs x the occupancy hint blocks,
+    never more than the tiles; one block per tile without it, or off a CUDA device (where the
+    host code runs on meta or CPU tensors)."""
+    from kernels import tile_ops
+    from kernels.compute_out import ComputeOutConfig
+    from kernels.fwd_pass_state import ChunkStateConfig
+    cpu = torch.device("cpu")
+    for cfg in (ComputeOutConfig(persistent=True, occupancy=3),
+                ChunkStateConfig(persistent=True, occupancy=3)):
+        monkeypatch.setattr(tile_ops, "sm_count", lambda device: None)
+        assert cfg.launch_blocks(32768, cpu) == 32768
+        monkeypatch.setattr(tile_ops, "sm_count", lambda device: 132)
+        assert cfg.launch_blocks(32768, cpu) == 396
+        assert cfg.launch_blocks(100, cpu) == 100
+        assert replace(cfg, occupancy=None).launch_blocks(32768, cpu) == 132
+        assert replace(cfg, persistent=False).launch_blocks(32768, cpu) == 32768
 
 
 def test_launch_signatures_are_the_ones_the_h200_compiled():

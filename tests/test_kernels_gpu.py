@@ -135,24 +135,33 @@ def test_compute_out_tuner_knobs_compute_the_same_output(x_dtype, precision, kno
 @requires_gpu
 @pytest.mark.parametrize("transposed", [False, True])
 def test_persistent_blocks_walk_every_tile(monkeypatch, transposed):
-    """With the SM count taken as 1, three persistent blocks walk all 96 tiles of the knob
-    problem (packed sequences, per-sequence initial states, D and z), 32 each: the output equals
-    one block per tile's to a rounding."""
-    from kernels import compute_out
-    monkeypatch.setattr(compute_out, "sm_count", lambda device: 1)
+    """With the SM count taken as 1, the persistent kernels' few blocks walk every tile of the
+    knob problem (packed sequences, per-sequence initial states, D and z): compute_out's three
+    blocks 32 tiles each, chunk_state's two blocks 28 each. States and outputs equal one block
+    per tile's to a rounding."""
+    from dataclasses import replace
+    from kernels import tile_ops
+    monkeypatch.setattr(tile_ops, "sm_count", lambda device: 1)
     problem = _knob_problem("bf16")
-    outs = []
-    for changes in (dict(transposed=transposed),
-                    dict(transposed=transposed, occupancy=3, persistent=True, p_block=64)):
-        pipeline = _with_knobs(problem, None, "out", changes)
+    results = []
+    for persistent in (False, True):
+        pipeline = _with_knobs(problem, None, "out", dict(
+            transposed=transposed, p_block=64, occupancy=3, persistent=persistent))
+        chunk_state = replace(pipeline.plan.chunk_state, transposed=transposed, p_block=64,
+                              n_block=64, occupancy=2, persistent=persistent)
+        pipeline = replace(pipeline, plan=replace(pipeline.plan, chunk_state=chunk_state))
+        # compute_out: chunks x row blocks x heads; chunk_state: (chunks + sequences) x heads.
+        assert pipeline.plan.out.launch_blocks(3 * 4 * 8, problem.x.device) == (
+            3 if persistent else 96)
+        assert chunk_state.launch_blocks((3 + 4) * 8, problem.x.device) == (
+            2 if persistent else 56)
         dt, cumsum = pipeline.cumsum()
-        states, _, _ = pipeline.states(dt, cumsum)
-        tiles = 3 * 4 * 8         # chunks x row blocks x heads, one P block
-        assert compute_out.launch_blocks(tiles, pipeline.plan.out, problem.x.device) == (
-            3 if changes.get("persistent") else tiles)
-        outs.append(pipeline.out(dt, cumsum, states).double())
-    tol = relation_tolerance(problem.x.dtype, float(outs[0].abs().max()))
-    assert float((outs[0] - outs[1]).abs().max()) <= tol
+        states, final, varlen = pipeline.states(dt, cumsum)
+        results.append([t.double() for t in (states, final, varlen,
+                                             pipeline.out(dt, cumsum, states))])
+    for name, base, walked in zip(("chunk_states", "final", "varlen", "out"), *results):
+        tol = relation_tolerance(problem.x.dtype, float(base.abs().max()))
+        assert float((base - walked).abs().max()) <= tol, name
 
 
 @pytest.mark.gpu
@@ -161,12 +170,13 @@ def test_persistent_blocks_walk_every_tile(monkeypatch, transposed):
                                                 ("fp32", None)])
 @pytest.mark.parametrize("knobs", [dict(transposed=True), dict(ordered_loads=True),
                                    dict(transposed=True, ordered_loads=True),
-                                   dict(worker_warps=8), dict(transposed=True, worker_warps=8)],
+                                   dict(worker_warps=8), dict(transposed=True, worker_warps=8),
+                                   dict(occupancy=2, persistent=True)],
                          ids=lambda k: "+".join(k))
 def test_chunk_state_tuner_knobs_compute_the_same_states(x_dtype, precision, knobs):
     """chunk_state's tuner knobs (``transposed``: the increment accumulated as B^T x;
-    ``ordered_loads``; ``worker_warps``, how many warps share the work) change layouts and
-    schedules, not the sums: chunk, final and varlen states agree with the default kernel's to
+    ``ordered_loads``; ``worker_warps``, how many warps share the work; ``persistent``, resident
+    blocks walking the tiles) change layouts and schedules, not the sums: chunk, final and varlen states agree with the default kernel's to
     float32 roundings."""
     problem = _knob_problem(x_dtype)
     results = []

@@ -44,7 +44,7 @@ def test_every_entry_fits_the_kernels_it_configures():
             defaults = {"compute_out": dict(transposed=False, ordered_loads=False, latency=0,
                                             worker_warps=None, persistent=False),
                         "chunk_state": dict(transposed=False, ordered_loads=False, latency=0,
-                                            worker_warps=None),
+                                            worker_warps=None, persistent=False),
                         }.get(stage, {})
             assert {**defaults, **tiles} in tune.CANDIDATES[stage], f"{stage}: {tiles}"
             assert key["chunk_size"] % tiles.get("row_block", 1) == 0
