@@ -37,7 +37,8 @@ a latency hint of 6 on its x and B loads took the states stage from 0.52 to 0.43
 anchor, 10 from 0.26 to 0.24 at the second (tuner, bf16 chunk states, 5b56790; the sm_90 cubins
 differ with the hint).
 ``persistent`` (a tuner knob, ``KernelVariant.launch_blocks``) launches chunk_state as the
-blocks the SMs hold at once, each walking tiles ``ct.num_blocks(0)`` apart; untimed.
+blocks the SMs hold at once, each walking tiles ``ct.num_blocks(0)`` apart; at the first anchor
+it lost (0.317 ms against 0.288, experiments/tune_1f159b8_chunk_state_anchor0_out_alone.json.gz).
 """
 from __future__ import annotations
 

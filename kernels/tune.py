@@ -93,7 +93,8 @@ CANDIDATES = {
                           (False, True))]
                    # Persistent at the table's tiles (17% achieved occupancy against 25% possible
                    # in ncu at the first anchor, experiments/ncu_anchor0_out_alone_5d543e6.txt.gz).
-                   # Untimed.
+                   # At the first anchor it lost: 0.317 ms against the table's 0.288
+                   # (experiments/tune_1f159b8_chunk_state_anchor0_out_alone.json.gz).
                    + [dict(row_block=64, p_block=64, n_block=128, occupancy=2, transposed=t,
                            ordered_loads=l, latency=h, worker_warps=None, persistent=True)
                       for t, l, h in itertools.product((False, True), (False, True), (6, 10))],
@@ -130,7 +131,10 @@ CANDIDATES = {
                         (False, True), (False, True))]
                    # Persistent at the tiles that won so far: blocks of ~7 us each at the first
                    # anchor, and ncu found 25.7% achieved occupancy against 37.5% possible
-                   # (experiments/ncu_anchor0_out_alone_5d543e6.txt.gz). Untimed.
+                   # (experiments/ncu_anchor0_out_alone_5d543e6.txt.gz). Row block 64 at occupancy 3
+                   # won at the first anchor, 0.572 ms against 0.584 persistent off
+                   # (experiments/tune_1f159b8_compute_out_anchor0_out_alone.json.gz); at float32
+                   # x it lost (3.41 against 2.62 ms, ..._fp32_compute_out_out_alone.json.gz).
                    + [dict(row_block=r, p_block=64, occupancy=o, transposed=t, ordered_loads=False,
                            latency=0, worker_warps=None, persistent=True)
                       for (r, o), t in itertools.product(((64, 3), (64, 4), (128, 2)),
