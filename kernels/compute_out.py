@@ -27,9 +27,10 @@ of the column blocks' tile loads (scores or B_j, and x_j; 0 leaves it to the com
 ``persistent`` launches only the blocks the SMs hold at once (SMs x the occupancy hint), each
 walking tiles ``ct.num_blocks(0)`` apart, instead of one block per tile: 3%, 4% and 1% off
 compute_out at the three anchors, outputs equal bit for bit, and 30% slower at float32 x
-(experiments/ab_compute_out_persistent_1f159b8.txt; the table's bf16 shared-scores key). On sm_90
-the hints 1 and 2 compile the first anchor's kernel to other code (text 28.9 -> 50.9 KB), 3 to
-10 to the compiler's own (CPU compile at the launch's signature, 49d954e).
+(experiments/ab_compute_out_persistent_1f159b8.txt); the table sets it at the bf16 'input'
+shared-scores key. On sm_90 the hints 1 and 2 compile the first anchor's kernel to other code
+(text 28.9 -> 50.9 KB), 3 to 10 to the compiler's own (CPU compile at the launch's signature,
+49d954e).
 
 A NaN or Inf in x, dt or B at position j also reaches the positions before j in its chunk (and
 other sequences packed in it): their masked weight 0 multiplies it inside the MMA.
