@@ -176,8 +176,8 @@ def test_persistent_blocks_walk_every_tile(monkeypatch, transposed):
 def test_chunk_state_tuner_knobs_compute_the_same_states(x_dtype, precision, knobs):
     """chunk_state's tuner knobs (``transposed``: the increment accumulated as B^T x;
     ``ordered_loads``; ``worker_warps``, how many warps share the work; ``persistent``, resident
-    blocks walking the tiles) change layouts and schedules, not the sums: chunk, final and varlen states agree with the default kernel's to
-    float32 roundings."""
+    blocks walking the tiles) change layouts and schedules, not the sums: chunk, final and
+    varlen states agree with the default kernel's to float32 roundings."""
     problem = _knob_problem(x_dtype)
     results = []
     for changes in ({}, knobs):
