@@ -12,6 +12,19 @@ per group by ``kernels.ssd.shares_scores``, which says what the H200 measured). 
 are the same MMAs at the same precision (``kernels.tile_ops.precise_mma``); a tile
 covers whole row and column blocks, so the diagonal tiles' masked entries are computed values,
 never unwritten memory that a zero weight would turn into NaN.
+
+The scores stay in float32, though compute_out reads every tile once per head (at the first
+anchor, by count, 40 of the ~90 KB a tile reads, from L2). Timed on the H200 beside it, compute_out
+alone at the table's tiles, and not kept (branch perf/fp16-scores):
+- bf16 scores (experiments/ab_scores_cc5b8d4.txt): 0.572 -> 0.521 ms at the first anchor, 1.139
+  -> 1.042 at the third, but out's normwise error vs float64 13-19% larger at every shape (its
+  ratio to the error of rounding the exact out, 1.199 -> 1.358 at the first anchor): accuracy
+  does not pay for speed.
+- fp16 scores scaled by a power of two per row (C_i) and column (B_j), 11 bits for any
+  magnitudes (experiments/ab_scores_fp16_ba28cbe.txt): the accuracy kept (1.199 -> 1.201), but
+  slower, 0.572 -> 0.635 ms with the scales multiplied in and 0.569 -> 0.597 with them added to
+  the decay's exponent (the likely cost, not profiled: converting fp16 to float32 takes an
+  instruction per entry where bf16's is a shift).
 """
 from __future__ import annotations
 
