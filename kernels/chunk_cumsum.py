@@ -113,13 +113,14 @@ def head_block_for(nheads: int) -> int:
 
 
 def chunk_cumsum(dt: torch.Tensor, A: torch.Tensor, config: ChunkCumsumConfig, dt_bias=None,
-                 dt_limit=(0.0, math.inf)):
+                 dt_limit=(0.0, math.inf), stream=None):
     """(dt_out (b, H, nchunks, Q), log2_decay_cumsum (b, H, nchunks, 2, Q)), fp32; see the module
     docstring.
 
     dt (b, L, H) CUDA fp32/bf16/fp16 (any strides); A, dt_bias (H,) CUDA, any float dtype.
     config: the variant (``kernels.ssd.make_plan(...).cumsum``): chunk size, which of bias,
     softplus and limit apply, 64-bit indexing; dt_bias and dt_limit give their values.
+    stream: where to launch (default: the current stream).
     """
     b, L, H = dt.shape
     Q = config.chunk_size
@@ -130,7 +131,8 @@ def chunk_cumsum(dt: torch.Tensor, A: torch.Tensor, config: ChunkCumsumConfig, d
     A32 = A.to(f32)
     bias = A32 if dt_bias is None else dt_bias.to(f32)   # A stands in for an absent bias: never read
     nhb = -(-H // config.head_block)
-    ct.launch(torch.cuda.current_stream(), (nchunks, b * nhb), config.kernel,
+    ct.launch(torch.cuda.current_stream() if stream is None else stream, (nchunks, b * nhb),
+              config.kernel,
               (dt, A32, bias, dt_out, cumsum, L, nhb, float(dt_limit[0]), float(dt_limit[1]),
                *config.constants()))
     return dt_out, cumsum

@@ -380,9 +380,11 @@ class OutInputs:
     cu_seqlens: torch.Tensor | None = None
 
 
-def compute_out(inp: OutInputs, cfg: ComputeOutConfig) -> torch.Tensor:
+def compute_out(inp: OutInputs, cfg: ComputeOutConfig, stream=None) -> torch.Tensor:
     """out (b, L, H, P) in x's dtype; see the module docstring. With ``cfg.shared_scores`` the
-    stage is two launches: kernels/chunk_scores.py, then this kernel reading its scores."""
+    stage is two launches: kernels/chunk_scores.py, then this kernel reading its scores. stream:
+    where to launch (default: the current stream)."""
+    stream = torch.cuda.current_stream() if stream is None else stream
     b, L, H, P = inp.x.shape
     out = torch.empty(b, L, H, P, device=inp.x.device, dtype=inp.x.dtype)
     nchunks = -(-L // cfg.chunk_size)
@@ -392,7 +394,7 @@ def compute_out(inp: OutInputs, cfg: ComputeOutConfig) -> torch.Tensor:
     placeholder = inp.dt.view(-1)[:1]
     scores = placeholder.view(1, 1, 1, 1, 1)
     if cfg.shared_scores:
-        scores = chunk_scores(inp.B, inp.C, inp.x, ChunkScoresConfig.for_out(cfg))
+        scores = chunk_scores(inp.B, inp.C, inp.x, ChunkScoresConfig.for_out(cfg), stream)
     # Absent optional arrays are never read (their flags are off): stand-ins of a fixed dtype.
     args = (inp.x, inp.B, inp.C, scores, inp.dt, inp.log2_decay_cumsum, inp.A, inp.chunk_states,
             inp.D if inp.D is not None else placeholder.view(1, 1),
@@ -401,6 +403,5 @@ def compute_out(inp: OutInputs, cfg: ComputeOutConfig) -> torch.Tensor:
             inp.start_states if inp.start_states is not None else placeholder.view(1, 1, 1, 1),
             inp.cu_seqlens if inp.cu_seqlens is not None else index_placeholder(out.device),
             out, L, H, H // inp.B.shape[2], npb, ntiles, *cfg.constants())
-    ct.launch(torch.cuda.current_stream(), (cfg.launch_blocks(ntiles, out.device),), cfg.kernel,
-              args)
+    ct.launch(stream, (cfg.launch_blocks(ntiles, out.device),), cfg.kernel, args)
     return out

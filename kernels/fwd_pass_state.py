@@ -357,8 +357,10 @@ class StateInputs:
     varlen: bool = False
 
 
-def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: StatePassingConfig):
-    """(chunk_states, final_states, varlen_states or None); layouts in the module docstring."""
+def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: StatePassingConfig,
+                   stream=None):
+    """(chunk_states, final_states, varlen_states or None); layouts in the module docstring.
+    stream: where to launch (default: the current stream)."""
     b, L, H, P = inp.x.shape
     N = inp.B.shape[3]
     Q = chunk_cfg.chunk_size
@@ -380,7 +382,7 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
     cu = inp.cu_seqlens if inp.cu_seqlens is not None else placeholder_int
     target_ends = ends if ends is not None else placeholder_int
     npb, nnb = -(-P // chunk_cfg.p_block), -(-N // chunk_cfg.n_block)
-    stream = torch.cuda.current_stream()
+    stream = torch.cuda.current_stream() if stream is None else stream
     ntiles = ntargets * b * H * npb * nnb
     ct.launch(stream, (chunk_cfg.launch_blocks(ntiles, dev),), chunk_cfg.kernel,
               (inp.x, inp.B, inp.dt, inp.log2_decay_cumsum, inp.A, seq_idx, start, cu, target_ends,

@@ -537,20 +537,21 @@ class StagePipeline:
     seq_idx: Optional[torch.Tensor]
     varlen: bool
 
-    def cumsum(self):
+    def cumsum(self, stream=None):
         p = self.problem
-        return chunk_cumsum(p.dt, self.A, self.plan.cumsum, dt_bias=p.dt_bias, dt_limit=p.dt_limit)
+        return chunk_cumsum(p.dt, self.A, self.plan.cumsum, dt_bias=p.dt_bias, dt_limit=p.dt_limit,
+                            stream=stream)
 
-    def states(self, dt, log2_cumsum):
+    def states(self, dt, log2_cumsum, stream=None):
         p = self.problem
         return fwd_pass_state(
             StateInputs(x=p.x, B=p.B, dt=dt, log2_decay_cumsum=log2_cumsum, A=self.A,
                         seq_idx=self.seq_idx, start_states=p.initial_states,
                         cu_seqlens=p.cu_seqlens, per_seq_start=p.per_sequence_initial_states,
                         varlen=self.varlen),
-            self.plan.chunk_state, self.plan.state_passing)
+            self.plan.chunk_state, self.plan.state_passing, stream)
 
-    def out(self, dt, log2_cumsum, chunk_states):
+    def out(self, dt, log2_cumsum, chunk_states, stream=None):
         p = self.problem
         D = None
         if p.D is not None:
@@ -560,7 +561,7 @@ class StagePipeline:
                       chunk_states=chunk_states, D=D, z=p.z, seq_idx=self.seq_idx,
                       start_states=p.initial_states if p.per_sequence_initial_states else None,
                       cu_seqlens=p.cu_seqlens),
-            self.plan.out)
+            self.plan.out, stream)
 
 
 def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[str] = None,
@@ -596,9 +597,13 @@ def run_stages(problem: SSDProblem, state_dtype=None, precision: Optional[str] =
                states_returned: Optional[bool] = None) -> SSDResult:
     """All three kernels on a validated problem; every stage in ``stages``."""
     pipeline = stage_pipeline(problem, state_dtype, precision, varlen, states_returned)
-    dt, log2_cumsum = pipeline.cumsum()
-    chunk_states, final_states, varlen_states = pipeline.states(dt, log2_cumsum)
-    out = pipeline.out(dt, log2_cumsum, chunk_states)
+    # Looked up once, not per launch: 23 us a lookup under cProfile on the H200's host, of the
+    # ~650 us a b1 L512 call took there, which small problems pay in full
+    # (reports/h200/experiments/host_profile_cc5b8d4.txt).
+    stream = torch.cuda.current_stream()
+    dt, log2_cumsum = pipeline.cumsum(stream)
+    chunk_states, final_states, varlen_states = pipeline.states(dt, log2_cumsum, stream)
+    out = pipeline.out(dt, log2_cumsum, chunk_states, stream)
     return SSDResult(out=out, final_states=final_states, varlen_states=varlen_states,
                      stages={"dt": dt, "log2_decay_cumsum": log2_cumsum[..., 0, :],
                              "chunk_states": chunk_states})
