@@ -400,10 +400,12 @@ def our_contenders(problem) -> Iterator[Contender]:
     plan = pipeline.plan
     dt, log2_cumsum = pipeline.cumsum()
     chunk_states = pipeline.states(dt, log2_cumsum)[0]
+    # Each stage as ssd.run_stages launches it, on the stream current when it is called.
     calls = {
-        "chunk_cumsum": pipeline.cumsum,
-        "fwd_pass_state": lambda: pipeline.states(dt, log2_cumsum),
-        "compute_out": lambda: pipeline.out(dt, log2_cumsum, chunk_states),
+        "chunk_cumsum": lambda: pipeline.cumsum(torch.cuda.current_stream()),
+        "fwd_pass_state": lambda: pipeline.states(dt, log2_cumsum, torch.cuda.current_stream()),
+        "compute_out": lambda: pipeline.out(dt, log2_cumsum, chunk_states,
+                                            torch.cuda.current_stream()),
     }
     variants = {"chunk_cumsum": plan.cumsum.describe(),
                 "fwd_pass_state": f"{plan.chunk_state.describe()}; {plan.state_passing.describe()}",
