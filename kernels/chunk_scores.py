@@ -14,8 +14,8 @@ covers whole row and column blocks, so the diagonal tiles' masked entries are co
 never unwritten memory that a zero weight would turn into NaN.
 
 The scores stay in float32, though compute_out reads every tile once per head (at the first
-anchor, by count, 40 of the ~90 KB a tile reads, from L2). Timed on the H200 beside it, compute_out
-alone at the table's tiles, and not kept (branch perf/fp16-scores):
+anchor, by count, 40 of the ~90 KB a tile reads, from L2). Timed on the H200 beside it,
+compute_out alone at the table's tiles, and not kept (branch perf/fp16-scores):
 - bf16 scores (experiments/ab_scores_cc5b8d4.txt): 0.572 -> 0.521 ms at the first anchor, 1.139
   -> 1.042 at the third, but out's normwise error vs float64 13-19% larger at every shape (its
   ratio to the error of rounding the exact out, 1.199 -> 1.358 at the first anchor): accuracy

@@ -598,7 +598,7 @@ def run_stages(problem: SSDProblem, state_dtype=None, precision: Optional[str] =
     """All three kernels on a validated problem; every stage in ``stages``."""
     pipeline = stage_pipeline(problem, state_dtype, precision, varlen, states_returned)
     # Looked up once, not per launch: 23 us a lookup under cProfile on the H200's host, of the
-    # ~650 us a b1 L512 call took there, which small problems pay in full
+    # ~650 us a profiled b1 L512 call took there, which small problems pay in full
     # (reports/h200/experiments/host_profile_cc5b8d4.txt).
     stream = torch.cuda.current_stream()
     dt, log2_cumsum = pipeline.cumsum(stream)
