@@ -104,14 +104,13 @@ class ChunkScoresConfig(KernelVariant):
 
 
 def chunk_scores(B: torch.Tensor, C: torch.Tensor, x: torch.Tensor, cfg: ChunkScoresConfig,
-                 stream=None) -> torch.Tensor:
+                 stream) -> torch.Tensor:
     """scores (b, nchunks, G, Q, Q) fp32; see the module docstring. stream: where to launch
-    (default: the current stream)."""
+    (compute_out's)."""
     b, L, G, _ = B.shape
     Q = cfg.chunk_size
     nchunks = -(-L // Q)
     scores = torch.empty(b, nchunks, G, Q, Q, device=B.device, dtype=torch.float32)
-    ct.launch(torch.cuda.current_stream() if stream is None else stream,
-              (b * nchunks * (Q // cfg.row_block) * G,), cfg.kernel,
+    ct.launch(stream, (b * nchunks * (Q // cfg.row_block) * G,), cfg.kernel,
               (B, C, x, scores, L, G, *cfg.constants()))
     return scores
