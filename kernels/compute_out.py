@@ -79,10 +79,9 @@ import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
-                              index_placeholder, index_variants, is_16bit, kernel_signature,
-                              latency_hint, load_log2_cumsum, load_transposed,
-                              log2_decay_between, log2_decay_since, precise_mma,
-                              scalar_constraint)
+                              index_variants, is_16bit, kernel_signature, latency_hint,
+                              load_log2_cumsum, load_transposed, log2_decay_between,
+                              log2_decay_since, placeholder, precise_mma, scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -391,17 +390,18 @@ def compute_out(inp: OutInputs, cfg: ComputeOutConfig, stream=None) -> torch.Ten
     npb = -(-P // cfg.p_block)
     nrow_blocks = nchunks * (cfg.chunk_size // cfg.row_block)
     ntiles = b * nrow_blocks * npb * H
-    placeholder = inp.dt.view(-1)[:1]
-    scores = placeholder.view(1, 1, 1, 1, 1)
+    dev, f32, i32 = out.device, torch.float32, torch.int32
     if cfg.shared_scores:
         scores = chunk_scores(inp.B, inp.C, inp.x, ChunkScoresConfig.for_out(cfg), stream)
+    else:
+        scores = placeholder(dev, f32, 5)
     # Absent optional arrays are never read (their flags are off): stand-ins of a fixed dtype.
     args = (inp.x, inp.B, inp.C, scores, inp.dt, inp.log2_decay_cumsum, inp.A, inp.chunk_states,
-            inp.D if inp.D is not None else placeholder.view(1, 1),
+            inp.D if inp.D is not None else placeholder(dev, f32, 2),
             inp.z if inp.z is not None else inp.x,
-            inp.seq_idx if inp.seq_idx is not None else index_placeholder(out.device).view(1, 1),
-            inp.start_states if inp.start_states is not None else placeholder.view(1, 1, 1, 1),
-            inp.cu_seqlens if inp.cu_seqlens is not None else index_placeholder(out.device),
+            inp.seq_idx if inp.seq_idx is not None else placeholder(dev, i32, 2),
+            inp.start_states if inp.start_states is not None else placeholder(dev, f32, 4),
+            inp.cu_seqlens if inp.cu_seqlens is not None else placeholder(dev, i32, 1),
             out, L, H, H // inp.B.shape[2], npb, ntiles, *cfg.constants())
     ct.launch(stream, (cfg.launch_blocks(ntiles, out.device),), cfg.kernel, args)
     return out

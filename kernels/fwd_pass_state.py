@@ -48,9 +48,9 @@ import cuda.tile as ct
 import torch
 
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, is_16bit,
-                              index_placeholder, index_variants, kernel_signature, latency_hint,
-                              load_log2_cumsum, load_transposed, log2_cumsum_at,
-                              log2_decay_between, log2_decay_since, precise_mma, scalar_constraint)
+                              index_variants, kernel_signature, latency_hint, load_log2_cumsum,
+                              load_transposed, log2_cumsum_at, log2_decay_between,
+                              log2_decay_since, placeholder, precise_mma, scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -375,10 +375,11 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
                          f"dtype: {chunk_cfg.increment_dtype} vs {pass_cfg.increment_dtype}")
     increment = torch.empty(b, ntargets, H, P, N, device=dev, dtype=chunk_cfg.increment_dtype)
     carry_weight = torch.empty(b, H, ntargets, device=dev, dtype=f32)
-    placeholder_int = index_placeholder(dev)
-    seq_idx = inp.seq_idx if inp.seq_idx is not None else placeholder_int.view(1, 1)
-    placeholder = carry_weight.view(-1)[:1].view(1, 1, 1, 1)  # stands in for absent arrays, unread
-    start = inp.start_states if inp.per_seq_start else placeholder
+    # Absent arrays are never read (their flags are off): stand-ins of a fixed dtype.
+    placeholder_int = placeholder(dev, torch.int32, 1)
+    placeholder_states = placeholder(dev, f32, 4)
+    seq_idx = inp.seq_idx if inp.seq_idx is not None else placeholder(dev, torch.int32, 2)
+    start = inp.start_states if inp.per_seq_start else placeholder_states
     cu = inp.cu_seqlens if inp.cu_seqlens is not None else placeholder_int
     target_ends = ends if ends is not None else placeholder_int
     npb, nnb = -(-P // chunk_cfg.p_block), -(-N // chunk_cfg.n_block)
@@ -402,7 +403,8 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
         row_start = row_start[:1]     # batch 1: the row starts with sequence 0
     npb, nnb = -(-P // pass_cfg.p_block), -(-N // pass_cfg.n_block)
     ct.launch(stream, (b * H * npb * nnb,), pass_cfg.kernel,
-              (increment, carry_weight, placeholder if row_start is None else row_start, offsets,
-               chunk_states, final_states, final_states if varlen_states is None else varlen_states,
+              (increment, carry_weight, placeholder_states if row_start is None else row_start,
+               offsets, chunk_states, final_states,
+               final_states if varlen_states is None else varlen_states,
                nchunks, H, npb, nnb, *pass_cfg.constants()))
     return chunk_states, final_states, varlen_states

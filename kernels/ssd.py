@@ -374,9 +374,16 @@ TUNING_CACHE_ENV = "MAMBA2_CUTILE_TUNING_CACHE"
 def tuning_cache_path() -> str:
     """$MAMBA2_CUTILE_TUNING_CACHE, else $XDG_CACHE_HOME (default ~/.cache)/mamba2-cutile/
     tuned.json."""
-    if os.environ.get(TUNING_CACHE_ENV):
-        return os.environ[TUNING_CACHE_ENV]
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return _cache_path(os.environ.get(TUNING_CACHE_ENV), os.environ.get("XDG_CACHE_HOME"),
+                       os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=8)
+def _cache_path(explicit: Optional[str], xdg_cache: Optional[str], home: Optional[str]) -> str:
+    """Remembered per environment: every call looks the path up (``tuning_sources``)."""
+    if explicit:
+        return explicit
+    cache = xdg_cache or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "mamba2-cutile", "tuned.json")
 
 
@@ -517,11 +524,15 @@ def _check_supported(problem: SSDProblem, state_dtype) -> None:
         raise SSDInputError(f"state_dtype: expected one of {STATE_DTYPES}, got {state_dtype}")
 
 
-def _wide(problem: SSDProblem) -> bool:
-    """Whether any array the kernels touch spans 2^31 elements (strides of the inputs included)."""
-    key = ProblemKey.from_problem(problem, varlen=problem.cu_seqlens is not None, wide=None)
-    return key.needs_int64() or needs_int64(problem.x, problem.B, problem.C, problem.z,
-                                            problem.initial_states)
+def _key(problem: SSDProblem, varlen: bool, states_returned: Optional[bool]) -> ProblemKey:
+    """The call's key; ``wide`` when any array the kernels touch spans 2^31 elements, strides of
+    the inputs included (else left to the sizes, which decide it alike for contiguous outputs)."""
+    key = ProblemKey.from_problem(problem, varlen=varlen, wide=None,
+                                  states_returned=states_returned)
+    if not key.needs_int64() and needs_int64(problem.x, problem.B, problem.C, problem.z,
+                                             problem.initial_states):
+        key = replace(key, wide=True)
+    return key
 
 
 @dataclass
@@ -555,7 +566,10 @@ class StagePipeline:
         p = self.problem
         D = None
         if p.D is not None:
-            D = p.D.to(torch.float32).reshape(p.nheads, -1).expand(p.nheads, p.headdim).contiguous()
+            # D per head reaches the kernel as a (nheads, headdim) view of stride 0 along headdim:
+            # out equal bit for bit to a copied D, without the copy's launch (24 us of host time
+            # a call on the H200, reports/h200/experiments/host_parts_2302d94.txt).
+            D = p.D.to(torch.float32).reshape(p.nheads, -1).expand(p.nheads, p.headdim)
         return compute_out(
             OutInputs(x=p.x, B=p.B, C=p.C, dt=dt, log2_decay_cumsum=log2_cumsum, A=self.A,
                       chunk_states=chunk_states, D=D, z=p.z, seq_idx=self.seq_idx,
@@ -579,9 +593,7 @@ def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[st
     require_gpu(problem.x)
     varlen = problem.cu_seqlens is not None if varlen is None else bool(varlen and
                                                                        problem.cu_seqlens is not None)
-    plan = make_plan(ProblemKey.from_problem(problem, varlen=varlen, wide=_wide(problem),
-                                             states_returned=states_returned),
-                     state_dtype, precision)
+    plan = make_plan(_key(problem, varlen, states_returned), state_dtype, precision)
     p = problem
     seq_idx = p.seq_idx
     if seq_idx is None and p.cu_seqlens is not None:

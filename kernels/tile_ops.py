@@ -309,11 +309,12 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
 # ----------------------------------------------------------------------------- host side
 
 @functools.lru_cache(maxsize=None)
-def index_placeholder(device: torch.device) -> torch.Tensor:
-    """A 1-element int32 zero on ``device`` that stands in for an absent index array (its flag is
-    off, so no kernel reads it): made once per device, where a fresh one per call costs a kernel
-    launch on the host's critical path."""
-    return torch.zeros(1, device=device, dtype=torch.int32)
+def placeholder(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+    """A 1-element zero of ``ndim`` dimensions on ``device`` that stands in for an absent array
+    (its flag is off, so no kernel reads it): made once per device, dtype and rank, where a fresh
+    one per call costs a kernel launch, and views of another array a few microseconds each, on
+    the host's critical path."""
+    return torch.zeros((1,) * ndim, device=device, dtype=dtype)
 
 
 def next_pow2(n: int) -> int:
