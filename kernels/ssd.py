@@ -199,6 +199,7 @@ class ProblemKey:
     cu_dtype: Optional[torch.dtype] = None
     nseq: int = 0
     has_d: bool = False
+    d_per_channel: bool = False   # D (nheads, headdim): compiled apart from D per head's broadcast
     has_bias: bool = False
     softplus: bool = False
     has_limit: bool = False
@@ -226,7 +227,9 @@ class ProblemKey:
                    start_dtype=None if p.initial_states is None else p.initial_states.dtype,
                    seq_dtype=seq_dtype,
                    cu_dtype=None if p.cu_seqlens is None else p.cu_seqlens.dtype,
-                   nseq=p.nseq or 0, has_d=p.D is not None, has_bias=p.dt_bias is not None,
+                   nseq=p.nseq or 0, has_d=p.D is not None,
+                   d_per_channel=p.D is not None and p.D.dim() == 2,
+                   has_bias=p.dt_bias is not None,
                    softplus=p.dt_softplus, has_limit=p.has_dt_limit,
                    per_seq_start=p.per_sequence_initial_states, varlen=varlen, wide=wide,
                    states_returned=states_returned)

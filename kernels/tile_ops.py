@@ -397,13 +397,16 @@ def launch_constraint(t: torch.Tensor, index_dtype) -> ArrayConstraint:
     """What cuTile's JIT specializes a kernel on for the tensor ``t`` of a call, base address
     aside (taken as 16-byte aligned, as torch allocates): unit strides and unit extents become
     constants, other strides are declared in 16-byte multiples and extents divisible by 16 where
-    they are. It reproduces the kernel names ncu recorded on the H200 (tests/test_compile.py)."""
+    they are; a stride 0 over more than one element (D per head broadcast along headdim) makes
+    the array alias itself. It reproduces the kernel names ncu recorded on the H200
+    (tests/test_compile.py)."""
     per_16_bytes = 16 // t.element_size()
     unit_stride = tuple(1 if st == 1 else None for st in t.stride())
     return ArrayConstraint(
         CT_DTYPE[t.dtype], t.dim(), index_dtype=index_dtype,
         stride_lower_bound_incl=tuple(None if u else 0 for u in unit_stride), alias_groups=(),
-        may_alias_internally=False, stride_constant=unit_stride,
+        may_alias_internally=any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride())),
+        stride_constant=unit_stride,
         shape_constant=tuple(1 if n == 1 else None for n in t.shape),
         stride_divisible_by=tuple(1 if u or st % per_16_bytes else per_16_bytes
                                   for u, st in zip(unit_stride, t.stride())),

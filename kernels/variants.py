@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import inspect
 import io
 import json
 import linecache
@@ -86,6 +87,10 @@ COVERING_KEYS = (
     # A call that returns out alone: chunk_state in 'input' (kernels.ssd.state_precision).
     ("anchor-b8-L4096-h64-out-only", replace(_anchor(8, 4096, 64, 1, has_d=True),
                                              states_returned=False), None, None),
+    # D per channel is read as given; D per head as a stride-0 view (kernels.ssd.StagePipeline).
+    ("anchor-b8-L4096-h64-z-d-per-channel-out-only",
+     replace(_anchor(8, 4096, 64, 1, has_d=True, d_per_channel=True, z_dtype=bf16),
+             states_returned=False), None, None),
     ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,
                                           softplus=True), None, None),
     ("int64-b1-L139264-h256", _anchor(1, 139264, 256, 1, has_d=True), None, None),
@@ -204,7 +209,8 @@ def launch_problem(key: ProblemKey) -> SSDProblem:
         x=tensor(b, L, H, P, dtype=key.x_dtype), dt=tensor(b, L, H, dtype=param),
         A=tensor(H, dtype=param), B=tensor(b, L, G, N, dtype=key.b_dtype),
         C=tensor(b, L, G, N, dtype=key.c_dtype), chunk_size=key.chunk_size,
-        D=tensor(H, dtype=param if key.has_d else None), z=tensor(b, L, H, P, dtype=key.z_dtype),
+        D=tensor(*((H, P) if key.d_per_channel else (H,)), dtype=param if key.has_d else None),
+        z=tensor(b, L, H, P, dtype=key.z_dtype),
         dt_bias=tensor(H, dtype=param if key.has_bias else None),
         initial_states=tensor(key.nseq if key.per_seq_start else b, H, P, N,
                               dtype=key.start_dtype),
@@ -389,6 +395,17 @@ def compile_all(targets=TARGETS, jobs: int = 2, out_dir: str | None = None) -> l
 
 
 _ONE_ELEMENT = re.compile(r"shape=\(\)|shape=\((1, )*1\)|reshape\(\((1, )*1\)\)")
+_LOADED_ARRAY = re.compile(r"ct\.load\(\s*(\w+)")
+
+
+def _broadcast_arrays(variant: Variant) -> set[str]:
+    """The kernel's array parameters its launches pass with a stride 0 over more than one element
+    (they alias themselves: ``launch_constraint``), D per head broadcast along headdim: a TMA
+    descriptor's strides are non-zero, and the tile read (P_BLOCK floats a block) is small.
+    Named as in the kernel, which its ``ct.function`` helpers keep."""
+    names = inspect.signature(variant.config.VARIANTS[False]._pyfunc).parameters
+    return {name for name, constraint in zip(names, variant.signature.parameters)
+            if isinstance(constraint, ArrayConstraint) and constraint.may_alias_internally}
 
 
 def _statement(path: str, line: int) -> str:
@@ -407,7 +424,7 @@ def violations(variant: Variant, result: CompileResult) -> list[str]:
     """Why a compiled variant breaks a promise (empty when it keeps them): a precision mode that
     promises tensor cores has every MMA on them, and an MMA kernel moves every tile of more than
     one element by TMA (sm_90 remarks), except with 64-bit indexing, whose extents a TMA
-    descriptor cannot encode."""
+    descriptor cannot encode, and from an array passed with a stride 0 (``_broadcast_arrays``)."""
     if not (result.ok and result.target == REMARK_TARGET):
         return []
     problems = []
@@ -416,10 +433,12 @@ def violations(variant: Variant, result: CompileResult) -> list[str]:
         if result.tensor_core_mmas == 0:
             problems.append("no MMA reported on tensor cores")
     if variant.kernel in MMA_KERNELS and not variant.config.wide:
+        broadcast = _broadcast_arrays(variant)
         for fallback in result.tma_fallbacks:
             name, line, why = fallback.split(":", 2)
             statement = _statement(os.path.join(os.path.dirname(__file__), name), int(line))
-            if not _ONE_ELEMENT.search(statement):
+            loaded = _LOADED_ARRAY.search(statement)
+            if not (_ONE_ELEMENT.search(statement) or (loaded and loaded[1] in broadcast)):
                 problems.append(f"no TMA at {name}:{line} ({why.strip()}): "
                                 f"{' '.join(statement.split())}")
     return problems
