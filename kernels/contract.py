@@ -32,10 +32,11 @@ non-finite argument.
 
 Decay: every exponent dt*A must be <= 0 (the kernels clamp exponents to <= 0 before exp2, so a
 growing state would come out silently wrong). A > 0 is always refused (nheads values are read).
-On the GPU reading that verdict back stalls the host until all queued work is done, and the GPU
-then idles while the kernels are launched; ``defer_decay_check=True`` (what ``ssd_forward`` uses)
-queues the verdict's copy behind an event instead, and ``SSDProblem.confirm_decay`` waits for that
-event only (not for the kernels launched since) and raises before any output is returned.
+On the GPU reading them back stalls the host until all queued work is done, and the GPU then
+idles while the kernels are launched; ``defer_decay_check=True`` (what ``ssd_forward`` uses)
+queues their copy to pinned memory behind an event instead, and ``SSDProblem.confirm_decay``
+waits for that event only (not for the kernels launched since), takes the verdict on the host and
+raises before any output is returned.
 The step dt is >= 0 by construction with dt_softplus or a dt_limit; without either, a negative
 dt + dt_bias is outside the contract and is refused only by the opt-in scan ``check_finite=True``
 (it reads every dt).
