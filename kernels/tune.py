@@ -114,7 +114,7 @@ CANDIDATES = {
     # too: the hint sets how deep tileiras pipelines the loads, and at the first anchor's row
     # block 64 it compiles to 80 registers and 72 KB of shared memory (3 blocks of 256 threads
     # fit an SM), against 128 and 108 KB at 2, where ncu found the kernel latency-bound
-    # (experiments/ncu_anchor0_abdd947.txt).
+    # (experiments/ncu_anchor0_abdd947.txt.gz).
     # 8 worker warps too: at the first anchor's row block 64 and occupancy 3, 56 registers and
     # 71 KB per block of 384 threads (80 and 72 KB at 256), so three blocks bring 24 worker warps
     # to an SM instead of 12; at P block 32 and occupancy 4, 40 registers and 51 KB, four blocks

@@ -156,11 +156,12 @@ def _h200_kernel_names() -> list[str]:
     """The chunk_state and compute_out kernel names ncu recorded on the H200 for the first anchor
     with D per head, out only (kernels.gpu_report.anchor_inputs; the report's header has the
     command)."""
+    import gzip
     import re
     from pathlib import Path
-    report = Path(__file__).parent.parent / "reports/h200/experiments/ncu_anchor0_f0f2406.txt"
-    return sorted(set(re.findall(r"((?:chunk_state|compute_out)_kernel_\S+) \(",
-                                 report.read_text())))
+    report = Path(__file__).parent.parent / "reports/h200/experiments/ncu_anchor0_f0f2406.txt.gz"
+    with gzip.open(report, "rt") as f:
+        return sorted(set(re.findall(r"((?:chunk_state|compute_out)_kernel_\S+) \(", f.read())))
 
 
 def test_persistent_kernels_launch_the_blocks_the_gpu_holds(monkeypatch):
