@@ -79,9 +79,10 @@ import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
-                              index_variants, is_16bit, kernel_signature, latency_hint,
-                              load_log2_cumsum, load_transposed, log2_decay_between,
-                              log2_decay_since, placeholder, precise_mma, scalar_constraint)
+                              follow_previous_kernel, index_variants, is_16bit, kernel_signature,
+                              latency_hint, launch, load_log2_cumsum, load_transposed,
+                              log2_decay_between, log2_decay_since, placeholder, precise_mma,
+                              scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -110,7 +111,7 @@ def out_tile(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_
              HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool],
              PER_SEQ_START: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
              SHARED_SCORES: ct.Constant[bool], ORDERED_LOADS: ct.Constant[bool],
-             LATENCY: ct.Constant[int]):
+             LATENCY: ct.Constant[int], STORE_BY_TMA: ct.Constant[bool]):
     """The output tile ``pid``: ROW_BLOCK rows of one chunk, one head, P_BLOCK channels."""
     # Heads vary fastest: tiles running together share C and B rows (one group, one chunk).
     head = pid % nheads
@@ -264,8 +265,11 @@ def out_tile(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_
                                rounding_mode=ct.RoundingMode.APPROX)
         else:
             y = y * (z_i / (1.0 + ct.exp(-z_i)))
-    ct.store(out, (batch, rows, head, p_block),
-             y.reshape((1, ROW_BLOCK, 1, P_BLOCK)).astype(out.dtype))
+    y = y.reshape((1, ROW_BLOCK, 1, P_BLOCK)).astype(out.dtype)
+    if STORE_BY_TMA:
+        ct.store(out, (batch, rows, head, p_block), y)
+    else:
+        ct.store(out, (batch, rows, head, p_block), y, allow_tma=False)
 
 
 def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_idx,
@@ -277,7 +281,8 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
                        HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
                        TRANSPOSED: ct.Constant[bool], SHARED_SCORES: ct.Constant[bool],
                        ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int],
-                       PERSISTENT: ct.Constant[bool]):
+                       PERSISTENT: ct.Constant[bool], STORE_BY_TMA: ct.Constant[bool]):
+    follow_previous_kernel()
     # PERSISTENT: a grid of the blocks an SM holds at once walks the ntiles tiles, so no block
     # waits to be launched behind a finished one: at the first anchor a tile takes ~7 us, and ncu
     # measured 25.7% achieved occupancy against 37.5% possible (experiments/
@@ -287,12 +292,13 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
             out_tile(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_idx,
                      start_states, cu_seqlens, out, seqlen, nheads, heads_per_group, n_p_blocks,
                      tile, CHUNK, ROW_BLOCK, P_BLOCK, N_PAD, MODE, HAS_D, HAS_Z, HAS_SEQ,
-                     PER_SEQ_START, TRANSPOSED, SHARED_SCORES, ORDERED_LOADS, LATENCY)
+                     PER_SEQ_START, TRANSPOSED, SHARED_SCORES, ORDERED_LOADS, LATENCY,
+                     STORE_BY_TMA)
     else:
         out_tile(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_idx,
                  start_states, cu_seqlens, out, seqlen, nheads, heads_per_group, n_p_blocks,
                  ct.bid(0), CHUNK, ROW_BLOCK, P_BLOCK, N_PAD, MODE, HAS_D, HAS_Z, HAS_SEQ,
-                 PER_SEQ_START, TRANSPOSED, SHARED_SCORES, ORDERED_LOADS, LATENCY)
+                 PER_SEQ_START, TRANSPOSED, SHARED_SCORES, ORDERED_LOADS, LATENCY, STORE_BY_TMA)
 
 
 # x, z, out (and B, C, the states) can pass 2^31 elements: 64-bit indexing in the wide variant.
@@ -329,12 +335,13 @@ class ComputeOutConfig(KernelVariant):
     occupancy: int | None = None
     worker_warps: int | None = None     # tile_ops.with_hints; None: the compiler's (4)
     persistent: bool = False            # a grid of resident blocks walks the tiles (the kernel)
+    store_by_tma: bool = True           # False: out leaves through plain stores
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_pad,
                 MODE[self.precision], self.has_d, self.has_z, self.has_seq, self.per_seq_start,
                 self.transposed, self.shared_scores, self.ordered_loads, self.latency,
-                self.persistent)
+                self.persistent, self.store_by_tma)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
@@ -357,7 +364,7 @@ class ComputeOutConfig(KernelVariant):
                 f"shared_scores={self.shared_scores} ordered_loads={self.ordered_loads} "
                 f"latency={self.latency} "
                 f"int64={self.wide} occupancy={self.occupancy} worker_warps={self.worker_warps} "
-                f"persistent={self.persistent}")
+                f"persistent={self.persistent} store_by_tma={self.store_by_tma}")
 
 
 @dataclass
@@ -403,5 +410,5 @@ def compute_out(inp: OutInputs, cfg: ComputeOutConfig, stream=None) -> torch.Ten
             inp.start_states if inp.start_states is not None else placeholder(dev, f32, 4),
             inp.cu_seqlens if inp.cu_seqlens is not None else placeholder(dev, i32, 1),
             out, L, H, H // inp.B.shape[2], npb, ntiles, *cfg.constants())
-    ct.launch(stream, (cfg.launch_blocks(ntiles, out.device),), cfg.kernel, args)
+    launch(stream, (cfg.launch_blocks(ntiles, out.device),), cfg.kernel, args, out.device)
     return out

@@ -226,7 +226,7 @@ def recorded_launches():
     stream needs no GPU, so the host code runs on CPU or meta tensors."""
     launched = []
     saved = ct.launch, torch.cuda.current_stream
-    ct.launch = lambda stream, grid, kernel, args: launched.append((grid, kernel, args))
+    ct.launch = lambda stream, grid, kernel, args, **options: launched.append((grid, kernel, args))
     torch.cuda.current_stream = lambda: None
     try:
         yield launched
