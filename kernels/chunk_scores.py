@@ -33,9 +33,8 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from kernels.tile_ops import (MODE, KernelVariant, array_constraint, follow_previous_kernel,
-                              index_variants, kernel_signature, launch, precise_mma,
-                              scalar_constraint)
+from kernels.tile_ops import (MODE, KernelVariant, array_constraint, index_variants,
+                              kernel_signature, precise_mma, scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -43,7 +42,6 @@ ZERO = ct.PaddingMode.ZERO
 def chunk_scores_kernel(B, C, x, scores, seqlen, ngroups,
                         CHUNK: ct.Constant[int], ROW_BLOCK: ct.Constant[int],
                         N_PAD: ct.Constant[int], MODE: ct.Constant[int]):
-    follow_previous_kernel()
     pid = ct.bid(0)
     group = pid % ngroups
     rest = pid // ngroups
@@ -113,6 +111,6 @@ def chunk_scores(B: torch.Tensor, C: torch.Tensor, x: torch.Tensor, cfg: ChunkSc
     Q = cfg.chunk_size
     nchunks = -(-L // Q)
     scores = torch.empty(b, nchunks, G, Q, Q, device=B.device, dtype=torch.float32)
-    launch(stream, (b * nchunks * (Q // cfg.row_block) * G,), cfg.kernel,
-           (B, C, x, scores, L, G, *cfg.constants()), B.device)
+    ct.launch(stream, (b * nchunks * (Q // cfg.row_block) * G,), cfg.kernel,
+              (B, C, x, scores, L, G, *cfg.constants()))
     return scores

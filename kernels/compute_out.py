@@ -79,10 +79,9 @@ import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
-                              follow_previous_kernel, index_variants, is_16bit, kernel_signature,
-                              latency_hint, launch, load_log2_cumsum, load_transposed,
-                              log2_decay_between, log2_decay_since, placeholder, precise_mma,
-                              scalar_constraint)
+                              index_variants, is_16bit, kernel_signature, latency_hint,
+                              load_log2_cumsum, load_transposed, log2_decay_between,
+                              log2_decay_since, placeholder, precise_mma, scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -282,7 +281,6 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
                        TRANSPOSED: ct.Constant[bool], SHARED_SCORES: ct.Constant[bool],
                        ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int],
                        PERSISTENT: ct.Constant[bool], STORE_BY_TMA: ct.Constant[bool]):
-    follow_previous_kernel()
     # PERSISTENT: a grid of the blocks an SM holds at once walks the ntiles tiles, so no block
     # waits to be launched behind a finished one: at the first anchor a tile takes ~7 us, and ncu
     # measured 25.7% achieved occupancy against 37.5% possible (experiments/
@@ -410,5 +408,5 @@ def compute_out(inp: OutInputs, cfg: ComputeOutConfig, stream=None) -> torch.Ten
             inp.start_states if inp.start_states is not None else placeholder(dev, f32, 4),
             inp.cu_seqlens if inp.cu_seqlens is not None else placeholder(dev, i32, 1),
             out, L, H, H // inp.B.shape[2], npb, ntiles, *cfg.constants())
-    launch(stream, (cfg.launch_blocks(ntiles, out.device),), cfg.kernel, args, out.device)
+    ct.launch(stream, (cfg.launch_blocks(ntiles, out.device),), cfg.kernel, args)
     return out

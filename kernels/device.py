@@ -58,21 +58,6 @@ def sm_count(device: torch.device) -> int | None:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.cache
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can be launched as programmatic dependents (one starting
-    its blocks while the kernel before it on the stream finishes): from sm_90 on; never off a
-    CUDA device (the host code also runs on meta and CPU tensors, in CI)."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_capability(index) >= (9, 0)
-
-
 def require_gpu(x: torch.Tensor) -> None:
     """x (and so every input: the contract checks they share its device) must be on a GPU that
     torch can drive, and cuTile must be able to compile."""

@@ -47,11 +47,10 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
-                              follow_previous_kernel, index_variants, is_16bit, kernel_signature,
-                              latency_hint, launch, load_log2_cumsum, load_transposed,
-                              log2_cumsum_at, log2_decay_between, log2_decay_since, placeholder,
-                              precise_mma, scalar_constraint)
+from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, is_16bit,
+                              index_variants, kernel_signature, latency_hint, load_log2_cumsum,
+                              load_transposed, log2_cumsum_at, log2_decay_between,
+                              log2_decay_since, placeholder, precise_mma, scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -192,7 +191,6 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
                        VARLEN: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
                        ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int],
                        PERSISTENT: ct.Constant[bool]):
-    follow_previous_kernel()
     # PERSISTENT: resident blocks walk the ntiles tiles (KernelVariant.launch_blocks); at the
     # first anchor ncu measured 17% achieved occupancy against 25% possible
     # (experiments/ncu_anchor0_out_alone_5d543e6.txt.gz).
@@ -215,7 +213,6 @@ def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, 
                          final_states, varlen_states, nchunks, nheads, n_p_blocks, n_n_blocks,
                          P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int],
                          HAS_START: ct.Constant[bool], VARLEN: ct.Constant[bool]):
-    follow_previous_kernel()
     head, p_block, n_block, batch = split_block_index(ct.bid(0), nheads, n_p_blocks, n_n_blocks)
     tile = (1, 1, 1, P_BLOCK, N_BLOCK)
     h = ct.zeros((P_BLOCK, N_BLOCK), dtype=ct.float32)
@@ -388,10 +385,10 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
     npb, nnb = -(-P // chunk_cfg.p_block), -(-N // chunk_cfg.n_block)
     stream = torch.cuda.current_stream() if stream is None else stream
     ntiles = ntargets * b * H * npb * nnb
-    launch(stream, (chunk_cfg.launch_blocks(ntiles, dev),), chunk_cfg.kernel,
-           (inp.x, inp.B, inp.dt, inp.log2_decay_cumsum, inp.A, seq_idx, start, cu, target_ends,
-            increment, carry_weight, L, nchunks, ntargets, H, H // inp.B.shape[2], npb, nnb,
-            ntiles, *chunk_cfg.constants()), dev)
+    ct.launch(stream, (chunk_cfg.launch_blocks(ntiles, dev),), chunk_cfg.kernel,
+              (inp.x, inp.B, inp.dt, inp.log2_decay_cumsum, inp.A, seq_idx, start, cu, target_ends,
+               increment, carry_weight, L, nchunks, ntargets, H, H // inp.B.shape[2], npb, nnb,
+               ntiles, *chunk_cfg.constants()))
 
     chunk_states = torch.empty(b, nchunks, H, P, N, device=dev, dtype=pass_cfg.state_dtype)
     final_states = torch.empty(b, H, P, N, device=dev, dtype=f32)
@@ -405,9 +402,9 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
     if row_start is not None and inp.per_seq_start:
         row_start = row_start[:1]     # batch 1: the row starts with sequence 0
     npb, nnb = -(-P // pass_cfg.p_block), -(-N // pass_cfg.n_block)
-    launch(stream, (b * H * npb * nnb,), pass_cfg.kernel,
-           (increment, carry_weight, placeholder_states if row_start is None else row_start,
-            offsets, chunk_states, final_states,
-            final_states if varlen_states is None else varlen_states,
-            nchunks, H, npb, nnb, *pass_cfg.constants()), dev)
+    ct.launch(stream, (b * H * npb * nnb,), pass_cfg.kernel,
+              (increment, carry_weight, placeholder_states if row_start is None else row_start,
+               offsets, chunk_states, final_states,
+               final_states if varlen_states is None else varlen_states,
+               nchunks, H, npb, nnb, *pass_cfg.constants()))
     return chunk_states, final_states, varlen_states

@@ -68,10 +68,10 @@ def kernel_breakdown(inputs: dict, chunk_size: int, reps: int = 5) -> dict:
     import cuda.tile as ct  # noqa: PLC0415
     launch, spans = ct.launch, []
 
-    def timed(stream, grid, kernel, args, **options):
+    def timed(stream, grid, kernel, args):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        launch(stream, grid, kernel, args, **options)
+        launch(stream, grid, kernel, args)
         stop.record()
         spans.append((kernel._pyfunc.__name__, start, stop))
 

@@ -60,7 +60,7 @@ import cuda.tile as ct
 import torch
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 
-from kernels.device import dependent_launch, sm_count
+from kernels.device import sm_count
 
 LOG2_E = math.log2(math.e)
 # Every kernel treats softplus(v) as v above this (e^-20 ~ 2e-9 absolute), as the contract allows.
@@ -89,17 +89,6 @@ def exp2_nonpos(exponent):
     overflows into an inf that a 0 would later multiply into NaN. A NaN exponent (NaN dt) stays
     NaN: it must reach the outputs it touches."""
     return ct.exp2(ct.minimum(exponent, 0.0, propagate_nan=True))
-
-
-@ct.function
-def follow_previous_kernel():
-    """Every kernel's first step. Lets the next kernel on the stream start its blocks once all of
-    this one's have started (they then wait here, on SMs this one's last blocks left free), and
-    waits until the kernel before this one has finished and its writes are visible, before
-    anything is read. Both do nothing where the launch is not a programmatic dependent one
-    (``launch``)."""
-    ct.grid_dependency_control_launch_dependents()
-    ct.grid_dependency_control_wait()
 
 
 @ct.function
@@ -399,16 +388,6 @@ class KernelVariant:
         if not self.persistent or sms is None:
             return ntiles
         return min(ntiles, sms * (self.occupancy or 1))
-
-
-def launch(stream, grid: tuple, kernel, args: tuple, device: torch.device,
-           after_our_kernel: bool = True) -> None:
-    """``ct.launch``; a kernel that follows one of ours in a call (``after_our_kernel``) goes as
-    a programmatic dependent launch where the device has them: its blocks start while the kernel
-    before it finishes and wait for it in ``follow_previous_kernel``. The first kernel of a call
-    follows the caller's work, which makes no such promise: it is launched plainly."""
-    ct.launch(stream, grid, kernel, args,
-              programmatic_dependent_launch=after_our_kernel and dependent_launch(device))
 
 
 def array_constraint(dtype: torch.dtype, ndim: int, wide: bool = False) -> ArrayConstraint:

@@ -145,6 +145,9 @@ COVERING_KEYS = (
     ("anchor-b8-L4096-h64-out-only-persistent",
      replace(_anchor(8, 4096, 64, 1, has_d=True), states_returned=False), None, None,
      {"out": {"persistent": True}, "chunk_state": {"persistent": True}}),
+    ("anchor-b8-L4096-h64-out-only-plain-store",
+     replace(_anchor(8, 4096, 64, 1, has_d=True), states_returned=False), None, None,
+     {"out": {"persistent": True, "store_by_tma": False}}),
     ("anchor-b8-L4096-h64-out-latency", _anchor(8, 4096, 64, 1), None, None,
      {"out": {"latency": 2}}),
     ("anchor-b8-L4096-h64-out-occupancy4", _anchor(8, 4096, 64, 1), None, None,
@@ -226,7 +229,7 @@ def recorded_launches():
     stream needs no GPU, so the host code runs on CPU or meta tensors."""
     launched = []
     saved = ct.launch, torch.cuda.current_stream
-    ct.launch = lambda stream, grid, kernel, args, **options: launched.append((grid, kernel, args))
+    ct.launch = lambda stream, grid, kernel, args: launched.append((grid, kernel, args))
     torch.cuda.current_stream = lambda: None
     try:
         yield launched

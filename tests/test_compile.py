@@ -152,25 +152,6 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared
         assert grid == _grid(name, cfg, problem), name
 
 
-def test_every_kernel_after_the_first_is_a_dependent_launch(monkeypatch):
-    """Where the device has programmatic dependent launches, a call's first kernel is launched
-    plainly (it follows the caller's work) and every later one as a dependent of the kernel
-    before it (each waits for it in ``tile_ops.follow_previous_kernel`` before reading)."""
-    import cuda.tile as ct
-    from kernels import tile_ops
-    monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
-    monkeypatch.setattr(tile_ops, "dependent_launch", lambda device: True)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
-    launches = []
-    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args, **options: launches.append(
-        (kernel._pyfunc.__name__, options.get("programmatic_dependent_launch", False))))
-    for spec in LAUNCH_SPECS:
-        launches.clear()
-        ssd.run_stages(build_problem(spec))
-        assert launches[0] == ("chunk_cumsum_kernel", False), launches
-        assert len(launches) >= 4 and all(dependent for _, dependent in launches[1:]), launches
-
-
 def _h200_kernel_names() -> list[str]:
     """The chunk_state and compute_out kernel names ncu recorded on the H200 for the first anchor
     with D per head, out only (kernels.gpu_report.anchor_inputs; the report's header has the
