@@ -28,7 +28,10 @@ of the column blocks' tile loads (scores or B_j, and x_j; 0 leaves it to the com
 walking tiles ``ct.num_blocks(0)`` apart, instead of one block per tile: 3%, 4% and 1% off
 compute_out at the three anchors, outputs equal bit for bit, and 30% slower at float32 x
 (experiments/ab_compute_out_persistent_1f159b8.txt); the table sets it at the bf16 'input'
-shared-scores key. On sm_90 the hints 1 and 2 compile the first anchor's kernel to other code
+shared-scores key. ``store_by_tma`` False writes out through plain stores instead of a TMA
+store: compute_out 2.1% and 2.3% faster at the first and third anchors, 2.3% slower at the
+second, outputs equal bit for bit (experiments/ab_launch_d740c5a.txt); a tuner candidate at the
+persistent tiles, in no table entry until the tuner has timed it. On sm_90 the hints 1 and 2 compile the first anchor's kernel to other code
 (text 28.9 -> 50.9 KB), 3 to 10 to the compiler's own (CPU compile at the launch's signature,
 49d954e).
 

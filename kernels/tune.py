@@ -136,7 +136,7 @@ CANDIDATES = {
                    # (experiments/tune_1f159b8_compute_out_anchor0_out_alone.json.gz); at float32
                    # x it lost (3.41 against 2.62 ms, ..._fp32_compute_out_out_alone.json.gz).
                    # Each of those also with out written by plain stores instead of TMA: at the
-                   # first and third anchors compute_out 2.5% and 2.1% faster, at the second 1.9%
+                   # first and third anchors compute_out 2.1% and 2.3% faster, at the second 2.3%
                    # slower, outputs equal bit for bit (row block 64, occupancy 3, one process;
                    # experiments/ab_launch_d740c5a.txt, ab_store_1433fa2.txt).
                    + [dict(row_block=r, p_block=64, occupancy=o, transposed=t, ordered_loads=False,
