@@ -31,9 +31,9 @@ compute_out at the three anchors, outputs equal bit for bit, and 30% slower at f
 shared-scores key. ``store_by_tma`` False writes out through plain stores instead of a TMA
 store: compute_out 2.1% and 2.3% faster at the first and third anchors, 2.3% slower at the
 second, outputs equal bit for bit (experiments/ab_launch_d740c5a.txt); a tuner candidate at the
-persistent tiles, in no table entry until the tuner has timed it. On sm_90 the hints 1 and 2 compile the first anchor's kernel to other code
-(text 28.9 -> 50.9 KB), 3 to 10 to the compiler's own (CPU compile at the launch's signature,
-49d954e).
+persistent tiles, in no table entry until the tuner has timed it. On sm_90 the latency hints 1
+and 2 compile the first anchor's kernel to other code (text 28.9 -> 50.9 KB), 3 to 10 to the
+compiler's own (CPU compile at the launch's signature, 49d954e).
 
 A NaN or Inf in x, dt or B at position j also reaches the positions before j in its chunk (and
 other sequences packed in it): their masked weight 0 multiplies it inside the MMA.
