@@ -386,7 +386,7 @@ def _cache_path(explicit: Optional[str], xdg_cache: Optional[str], home: Optiona
     """Remembered per environment: every call looks the path up (``tuning_sources``)."""
     if explicit:
         return explicit
-    cache = xdg_cache or os.path.join(os.path.expanduser("~"), ".cache")
+    cache = xdg_cache or os.path.join(home or os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "mamba2-cutile", "tuned.json")
 
 
