@@ -209,6 +209,25 @@ def _pipeline(inputs: dict, chunk_size: int, plan: ssd.Plan | None = None) -> ss
     return pipeline if plan is None else replace(pipeline, plan=plan)
 
 
+def probe_candidates(stage: str, rows: list[dict], best: dict, tabled: dict) -> list[dict]:
+    """The tiles a mode is probed at: the PROBED_CANDIDATES fastest distinct codes of the search
+    (or its best, when the stage was not searched), and the mode's tiles in the table (``tabled``).
+    A later run's probe replaces the mode's entry (``table``), so it must time what it replaces
+    in the same run: without it a probe at 6eb8ae2 would have put 2xbf16's compute_out at the
+    first anchor at 1.25 ms where the entry it replaced had taken 1.06."""
+    timed = [_tiles(stage, r) for r in sorted(
+        (r for r in rows if "ms" in r and "same_code_as" not in r),
+        key=lambda r: r["ms"])[:PROBED_CANDIDATES]] or [_tiles(stage, best)]
+    return timed + ([tabled] if tabled not in timed else [])
+
+
+def _dispatched(inputs: dict, chunk_size: int, stage: str, precision: str) -> dict:
+    """The tiles the dispatcher (table, then defaults) picks for ``stage`` in ``precision``."""
+    problem = validate(**inputs, chunk_size=chunk_size)
+    config = getattr(ssd.stage_pipeline(problem, precision=precision).plan, FIELD[stage])
+    return _tiles(stage, asdict(config))
+
+
 def _stage_call(pipeline: ssd.StagePipeline, stage: str, dt, cumsum, states):
     if stage == "compute_out":
         return lambda: pipeline.out(dt, cumsum, states)
@@ -334,18 +353,14 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES),
                                              states), reps=7)
         record["best"][stage] = best
         plan = with_candidate(plan, stage, _tiles(stage, best))
-        # Each probed mode at the PROBED_CANDIDATES fastest candidates of the search, or at the
-        # dispatcher's choice.
-        timed = sorted((r for r in record["stages"].get(stage, [])
-                        if "ms" in r and "same_code_as" not in r),
-                       key=lambda r: r["ms"])[:PROBED_CANDIDATES] or [best]
         tasks = []
         searched = getattr(getattr(plan, FIELD[stage]), "precision", None)
         for precision in PRECISION_PROBES.get(stage, ()):
             if precision == searched or not _accepts(precision, shape[-1]):
                 continue
-            tasks += [(shape, chunk_size, stage, _tiles(stage, row), precision, out_alone)
-                      for row in timed]
+            tabled = _dispatched(inputs, chunk_size, stage, precision)
+            tasks += [(shape, chunk_size, stage, tiles, precision, out_alone) for tiles in
+                      probe_candidates(stage, record["stages"].get(stage, []), best, tabled)]
         probes = []
         for (_, _, _, cand, precision, _), error in zip(tasks, pool.map(_compile_task, tasks)):
             pipeline = _pipeline(inputs, chunk_size, with_candidate(plan, stage, cand, precision))
@@ -407,7 +422,8 @@ def table(records: list[dict], provenance: dict, command: str) -> dict:
     compute_out mode gets an entry too, from its fastest probe (the other stages' tiles are the
     searched mode's). Records of several runs (``merged_table``) carry their run's index: a later
     run's winners replace an earlier one's for the stages it searched, except that a probe of a
-    mode (four candidates) never replaces compute_out tiles that a search in that mode chose."""
+    mode (the search's four fastest candidates and the mode's tiles in the table then) never
+    replaces compute_out tiles that a search in that mode chose."""
     entries, decided_by = {}, {}
     for r in records:
         run = r.get("run", 0)

@@ -231,6 +231,23 @@ def _check_merged(written: dict) -> None:
     assert [s["tuned_by"] for s in written["sources"]] == ["first", "second"]
 
 
+def test_a_probe_times_the_modes_table_tiles_beside_the_searchs_fastest():
+    """A probe replaces its mode's entry, so it times that entry's tiles in the same run: the
+    four fastest distinct codes of the search, then the table's tiles unless among them."""
+    def row(p_block, ms, **kw):
+        return dict(row_block=64, p_block=p_block, occupancy=3, ms=ms, **kw)
+    rows = [row(8, 0.5), row(16, 0.4), row(16, 0.4, same_code_as=1), row(32, 0.3),
+            row(64, 0.2), row(128, 0.1), dict(row_block=64, p_block=256, occupancy=3, error="x")]
+    tabled = dict(row_block=128, p_block=64, occupancy=2)
+    probed = tune.probe_candidates("compute_out", rows, rows[5], tabled)
+    assert [c.get("p_block") for c in probed] == [128, 64, 32, 16, 64]
+    assert probed[-1] == tabled and all("ms" not in c for c in probed)
+    assert tune.probe_candidates("compute_out", rows, rows[5], probed[1]) == probed[:4]
+    # A stage the run did not search is probed at its dispatched tiles and the table's.
+    assert tune.probe_candidates("compute_out", [], row(64, 0.2), tabled) == [
+        dict(row_block=64, p_block=64, occupancy=3), tabled]
+
+
 def test_a_run_at_another_chunk_size_keys_its_winners_there():
     record = dict(shape=anchor_shape(8), chunk_size=128)
     assert tune.record_key(record, DEFAULT)["chunk_size"] == 128
