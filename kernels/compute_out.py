@@ -28,11 +28,10 @@ of the column blocks' tile loads (scores or B_j, and x_j; 0 leaves it to the com
 walking tiles ``ct.num_blocks(0)`` apart, instead of one block per tile: 3%, 4% and 1% off
 compute_out at the three anchors, outputs equal bit for bit, and 30% slower at float32 x
 (experiments/ab_compute_out_persistent_1f159b8.txt); the table sets it at the bf16 'input'
-shared-scores key. ``store_by_tma`` False writes out through plain stores instead of a TMA
-store: compute_out 2.1% and 2.3% faster at the first and third anchors, 2.3% slower at the
-second, outputs equal bit for bit (experiments/ab_launch_d740c5a.txt); a tuner candidate at the
-persistent tiles, in no table entry until the tuner has timed it. On sm_90 the latency hints 1
-and 2 compile the first anchor's kernel to other code (text 28.9 -> 50.9 KB), 3 to 10 to the
+shared-scores key. Writing out through plain stores instead of a TMA store was a knob until
+1e42bdc: faster only with D per head (2.2% at the first and third anchors), 7-11% slower
+without D or with z and D per channel (experiments/ab_store_d_1e42bdc.txt). On sm_90 the hints
+1 and 2 compile the first anchor's kernel to other code (text 28.9 -> 50.9 KB), 3 to 10 to the
 compiler's own (CPU compile at the launch's signature, 49d954e).
 
 A NaN or Inf in x, dt or B at position j also reaches the positions before j in its chunk (and
@@ -113,7 +112,7 @@ def out_tile(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_
              HAS_Z: ct.Constant[bool], HAS_SEQ: ct.Constant[bool],
              PER_SEQ_START: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
              SHARED_SCORES: ct.Constant[bool], ORDERED_LOADS: ct.Constant[bool],
-             LATENCY: ct.Constant[int], STORE_BY_TMA: ct.Constant[bool]):
+             LATENCY: ct.Constant[int]):
     """The output tile ``pid``: ROW_BLOCK rows of one chunk, one head, P_BLOCK channels."""
     # Heads vary fastest: tiles running together share C and B rows (one group, one chunk).
     head = pid % nheads
@@ -267,11 +266,8 @@ def out_tile(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_
                                rounding_mode=ct.RoundingMode.APPROX)
         else:
             y = y * (z_i / (1.0 + ct.exp(-z_i)))
-    y = y.reshape((1, ROW_BLOCK, 1, P_BLOCK)).astype(out.dtype)
-    if STORE_BY_TMA:
-        ct.store(out, (batch, rows, head, p_block), y)
-    else:
-        ct.store(out, (batch, rows, head, p_block), y, allow_tma=False)
+    ct.store(out, (batch, rows, head, p_block),
+             y.reshape((1, ROW_BLOCK, 1, P_BLOCK)).astype(out.dtype))
 
 
 def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_idx,
@@ -283,7 +279,7 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
                        HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
                        TRANSPOSED: ct.Constant[bool], SHARED_SCORES: ct.Constant[bool],
                        ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int],
-                       PERSISTENT: ct.Constant[bool], STORE_BY_TMA: ct.Constant[bool]):
+                       PERSISTENT: ct.Constant[bool]):
     # PERSISTENT: a grid of the blocks an SM holds at once walks the ntiles tiles, so no block
     # waits to be launched behind a finished one: at the first anchor a tile takes ~7 us, and ncu
     # measured 25.7% achieved occupancy against 37.5% possible (experiments/
@@ -293,13 +289,12 @@ def compute_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, 
             out_tile(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_idx,
                      start_states, cu_seqlens, out, seqlen, nheads, heads_per_group, n_p_blocks,
                      tile, CHUNK, ROW_BLOCK, P_BLOCK, N_PAD, MODE, HAS_D, HAS_Z, HAS_SEQ,
-                     PER_SEQ_START, TRANSPOSED, SHARED_SCORES, ORDERED_LOADS, LATENCY,
-                     STORE_BY_TMA)
+                     PER_SEQ_START, TRANSPOSED, SHARED_SCORES, ORDERED_LOADS, LATENCY)
     else:
         out_tile(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_idx,
                  start_states, cu_seqlens, out, seqlen, nheads, heads_per_group, n_p_blocks,
                  ct.bid(0), CHUNK, ROW_BLOCK, P_BLOCK, N_PAD, MODE, HAS_D, HAS_Z, HAS_SEQ,
-                 PER_SEQ_START, TRANSPOSED, SHARED_SCORES, ORDERED_LOADS, LATENCY, STORE_BY_TMA)
+                 PER_SEQ_START, TRANSPOSED, SHARED_SCORES, ORDERED_LOADS, LATENCY)
 
 
 # x, z, out (and B, C, the states) can pass 2^31 elements: 64-bit indexing in the wide variant.
@@ -336,13 +331,12 @@ class ComputeOutConfig(KernelVariant):
     occupancy: int | None = None
     worker_warps: int | None = None     # tile_ops.with_hints; None: the compiler's (4)
     persistent: bool = False            # a grid of resident blocks walks the tiles (the kernel)
-    store_by_tma: bool = True           # False: out leaves through plain stores
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_pad,
                 MODE[self.precision], self.has_d, self.has_z, self.has_seq, self.per_seq_start,
                 self.transposed, self.shared_scores, self.ordered_loads, self.latency,
-                self.persistent, self.store_by_tma)
+                self.persistent)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
@@ -365,7 +359,7 @@ class ComputeOutConfig(KernelVariant):
                 f"shared_scores={self.shared_scores} ordered_loads={self.ordered_loads} "
                 f"latency={self.latency} "
                 f"int64={self.wide} occupancy={self.occupancy} worker_warps={self.worker_warps} "
-                f"persistent={self.persistent} store_by_tma={self.store_by_tma}")
+                f"persistent={self.persistent}")
 
 
 @dataclass

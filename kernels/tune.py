@@ -122,7 +122,7 @@ CANDIDATES = {
     # best with 8 worker warps against 0.586 at 4
     # (experiments/tune_2eef42b_compute_out_anchor0_out_alone.json).
     "compute_out": [dict(row_block=r, p_block=p, occupancy=o, transposed=t, ordered_loads=l,
-                         latency=h, worker_warps=w, persistent=False, store_by_tma=True)
+                         latency=h, worker_warps=w, persistent=False)
                     for (r, p, o, h, w), t, l in itertools.product(
                         ((64, 64, 2, 0, None), (64, 64, 4, 0, None), (64, 32, 4, 0, None),
                          (128, 64, 2, 0, None), (64, 64, 2, 2, None), (128, 64, 2, 2, None),
@@ -135,14 +135,13 @@ CANDIDATES = {
                    # won at the first anchor, 0.572 ms against 0.584 persistent off
                    # (experiments/tune_1f159b8_compute_out_anchor0_out_alone.json.gz); at float32
                    # x it lost (3.41 against 2.62 ms, ..._fp32_compute_out_out_alone.json.gz).
-                   # Each of those also with out written by plain stores instead of TMA: at the
-                   # first and third anchors compute_out 2.1% and 2.3% faster, at the second 2.3%
-                   # slower, outputs equal bit for bit (row block 64, occupancy 3, one process;
-                   # experiments/ab_launch_d740c5a.txt, ab_store_1433fa2.txt).
+                   # Out written by plain stores instead of TMA was a knob here until 1e42bdc: it
+                   # won the search at the first anchor, whose inputs carry D per head, and lost
+                   # 9% in the benchmark, whose anchors have no D (kernels/compute_out.py).
                    + [dict(row_block=r, p_block=64, occupancy=o, transposed=t, ordered_loads=False,
-                           latency=0, worker_warps=None, persistent=True, store_by_tma=s)
-                      for (r, o), t, s in itertools.product(((64, 3), (64, 4), (128, 2)),
-                                                            (False, True), (True, False))],
+                           latency=0, worker_warps=None, persistent=True)
+                      for (r, o), t in itertools.product(((64, 3), (64, 4), (128, 2)),
+                                                         (False, True))],
 }
 PROBED_CANDIDATES = 4
 # The kernels whose configs a stage's candidates change (compute_out's row block also sets the

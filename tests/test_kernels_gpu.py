@@ -111,17 +111,15 @@ def _with_knobs(problem, precision, field: str, knobs: dict):
                                    dict(occupancy=3, worker_warps=8),
                                    dict(transposed=True, worker_warps=8),
                                    dict(occupancy=3, persistent=True),
-                                   dict(transposed=True, occupancy=2, persistent=True),
-                                   dict(occupancy=3, persistent=True, store_by_tma=False)],
+                                   dict(transposed=True, occupancy=2, persistent=True)],
                          ids=lambda k: "+".join(k))
 def test_compute_out_tuner_knobs_compute_the_same_output(x_dtype, precision, knobs):
     """compute_out's tuner knobs change operand layouts (``transposed``: y^T = h C^T + x^T W^T),
     where the scores come from (``shared_scores``: kernels/chunk_scores.py), whether operands
     are read transposed or transposed after loading (``ordered_loads``), how the loads are
     scheduled (``latency``) and how many warps share the work (``occupancy``, ``worker_warps``),
-    not the sums; nor do ``persistent`` (resident blocks walking the tiles) and
-    ``store_by_tma`` (how out is written): the output agrees with the default kernel to a
-    rounding."""
+    not the sums; nor does ``persistent`` (resident blocks walking the tiles): the output agrees
+    with the default kernel to a rounding."""
     problem = _knob_problem(x_dtype)
     outs = []
     for changes in ({}, knobs):

@@ -42,8 +42,7 @@ def test_every_entry_fits_the_kernels_it_configures():
             tiles = entry[stage]
             # Knobs the tuner gained after an entry was written hold their config default there.
             defaults = {"compute_out": dict(transposed=False, ordered_loads=False, latency=0,
-                                            worker_warps=None, persistent=False,
-                                            store_by_tma=True),
+                                            worker_warps=None, persistent=False),
                         "chunk_state": dict(transposed=False, ordered_loads=False, latency=0,
                                             worker_warps=None, persistent=False),
                         }.get(stage, {})
