@@ -139,8 +139,9 @@ def out_tile(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_
     # Without z the D skip takes x_i from the diagonal column block instead, whose x_j it is
     # (DIAGONAL_D): at the table's tiles with D per head compute_out 3.2% and 0.7% faster at the
     # first and third anchors; with z and D per channel that was 2.5% and 1.2% slower, so x_i is
-    # read first there (outputs equal bit for bit either way;
-    # experiments/ab_diagonal_d_9951847.txt).
+    # read first there (outputs equal bit for bit in that A/B,
+    # experiments/ab_diagonal_d_9951847.txt; with per-sequence initial states D's term now comes
+    # before theirs, a change of summation order).
     DIAGONAL_D = HAS_D and not HAS_Z
     if HAS_D and HAS_Z:
         x_i = ct.load(x, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),

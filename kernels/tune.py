@@ -221,7 +221,8 @@ def probe_candidates(stage: str, rows: list[dict], best: dict, tabled: dict) -> 
 
 
 def _dispatched(inputs: dict, chunk_size: int, stage: str, precision: str) -> dict:
-    """The tiles the dispatcher (table, then defaults) picks for ``stage`` in ``precision``."""
+    """The tiles calls get for ``stage`` in ``precision`` mode: the tuning cache's entry on this
+    GPU model, else the table's, else the defaults (``ssd.make_plan``)."""
     problem = validate(**inputs, chunk_size=chunk_size)
     config = getattr(ssd.stage_pipeline(problem, precision=precision).plan, FIELD[stage])
     return _tiles(stage, asdict(config))

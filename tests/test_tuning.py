@@ -232,7 +232,8 @@ def _check_merged(written: dict) -> None:
 
 def test_a_probe_times_the_modes_table_tiles_beside_the_searchs_fastest():
     """A probe replaces its mode's entry, so it times that entry's tiles in the same run: the
-    four fastest distinct codes of the search, then the table's tiles unless among them."""
+    four fastest distinct codes of the search, then the mode's tiles in the table unless among
+    them."""
     def row(p_block, ms, **kw):
         return dict(row_block=64, p_block=p_block, occupancy=3, ms=ms, **kw)
     rows = [row(8, 0.5), row(16, 0.4), row(16, 0.4, same_code_as=1), row(32, 0.3),
