@@ -202,9 +202,11 @@ def with_candidate(plan: ssd.Plan, stage: str, cand: dict, precision: str | None
                    state_passing=replace(plan.state_passing, state_dtype=stored))
 
 
-def _pipeline(inputs: dict, chunk_size: int, plan: ssd.Plan | None = None) -> ssd.StagePipeline:
+def _pipeline(inputs: dict, chunk_size: int, plan: ssd.Plan | None = None,
+              precision: str | None = None) -> ssd.StagePipeline:
+    """The stages of a call on ``inputs``: at ``plan``, else at the dispatcher's in ``precision``."""
     problem = validate(**inputs, chunk_size=chunk_size)
-    pipeline = ssd.stage_pipeline(problem)
+    pipeline = ssd.stage_pipeline(problem, precision=precision)
     return pipeline if plan is None else replace(pipeline, plan=plan)
 
 
@@ -223,9 +225,8 @@ def probe_candidates(stage: str, rows: list[dict], best: dict, tabled: dict) -> 
 def _dispatched(inputs: dict, chunk_size: int, stage: str, precision: str) -> dict:
     """The tiles calls get for ``stage`` in ``precision`` mode: the tuning cache's entry on this
     GPU model, else the table's, else the defaults (``ssd.make_plan``)."""
-    problem = validate(**inputs, chunk_size=chunk_size)
-    config = getattr(ssd.stage_pipeline(problem, precision=precision).plan, FIELD[stage])
-    return _tiles(stage, asdict(config))
+    plan = _pipeline(inputs, chunk_size, precision=precision).plan
+    return _tiles(stage, asdict(getattr(plan, FIELD[stage])))
 
 
 def _stage_call(pipeline: ssd.StagePipeline, stage: str, dt, cumsum, states):
