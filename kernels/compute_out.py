@@ -134,12 +134,31 @@ def out_tile(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_
                         padding_mode=ZERO).reshape((ROW_BLOCK,))
         # Chunk 0's entering state belongs to the row's first sequence.
         seq_entering = ct.load(seq_idx, (batch, ct.maximum(first - 1, 0)), shape=(1, 1)).reshape(())
-    # z, and with it x_i for the D skip, are read first, as loaded (16-bit x and z hold half the
-    # registers): their loads overlap the products instead of waiting after them with the store.
-    # Without z the D skip takes x_i from the diagonal column block instead, whose x_j it is
-    # (DIAGONAL_D): at the table's tiles with D per head compute_out 3.2% and 0.7% faster at the
-    # first and third anchors; with z and D per channel that was 2.5% and 1.2% slower, so x_i is
-    # read first there (outputs equal bit for bit in that A/B,
+    # Every product is an MMA whose operands are read in the order it consumes them, so no tile
+    # is transposed in registers (ORDERED_LOADS; else loaded, then transposed). TRANSPOSED
+    # accumulates y^T (P_BLOCK x ROW_BLOCK) = h C_i^T + sum_j x_j^T W_ij^T, with the scores
+    # computed transposed (B_j C_i^T): the loaded x_j is then the MMA's left operand and the
+    # computed weights the right one, which on the H200 staged through shared memory (this
+    # kernel's bound) with fewer conflicts than the other way round (tf32 tuner, 1.33 vs 1.56 ms).
+    if TRANSPOSED:
+        C_it = load_transposed(C, batch, rows, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS, 0)
+        h = ct.load(chunk_states, (batch, chunk, head, p_block, 0), shape=(1, 1, 1, P_BLOCK, N_PAD),
+                    padding_mode=ZERO).reshape((P_BLOCK, N_PAD))
+    else:
+        C_i = ct.load(C, (batch, rows, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
+                      padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
+        h_t = load_transposed5(chunk_states, batch, chunk, head, p_block, 0, P_BLOCK, N_PAD,
+                               ORDERED_LOADS, 0)
+    # z, and with it x_i for the D skip, are read before the products, as loaded (16-bit x and z
+    # hold half the registers): their loads overlap the products instead of waiting after them
+    # with the store. They are issued after the MMA operands above: read before those (the order
+    # until 89092f0) compute_out took 0.564 against 0.531 ms at the first anchor with D per head
+    # and 1.151 against 1.045 at the third (outputs equal bit for bit; without D the same code;
+    # with z and D per channel 0.664 against 0.663; experiments/ab_order_89092f0.txt, the orders
+    # of these loads timed in one process). Without z the D skip takes x_i from the diagonal
+    # column block instead, whose x_j it is (DIAGONAL_D): at the table's tiles with D per head
+    # compute_out 3.2% and 0.7% faster at the first and third anchors; with z and D per channel
+    # that was 2.5% and 1.2% slower, so x_i is read here (outputs equal bit for bit in that A/B,
     # experiments/ab_diagonal_d_9951847.txt; with per-sequence initial states D's term now comes
     # before theirs, a change of summation order).
     DIAGONAL_D = HAS_D and not HAS_Z
@@ -151,23 +170,9 @@ def out_tile(x, B, C, scores, dt, log2_decay_cumsum, A, chunk_states, D, z, seq_
     if HAS_Z:
         z_i = ct.load(z, (batch, rows, head, p_block), shape=(1, ROW_BLOCK, 1, P_BLOCK),
                       padding_mode=ZERO).reshape((ROW_BLOCK, P_BLOCK))
-
-    # Every product is an MMA whose operands are read in the order it consumes them, so no tile
-    # is transposed in registers (ORDERED_LOADS; else loaded, then transposed). TRANSPOSED
-    # accumulates y^T (P_BLOCK x ROW_BLOCK) = h C_i^T + sum_j x_j^T W_ij^T, with the scores
-    # computed transposed (B_j C_i^T): the loaded x_j is then the MMA's left operand and the
-    # computed weights the right one, which on the H200 staged through shared memory (this
-    # kernel's bound) with fewer conflicts than the other way round (tf32 tuner, 1.33 vs 1.56 ms).
     if TRANSPOSED:
-        C_it = load_transposed(C, batch, rows, group, 0, ROW_BLOCK, N_PAD, ORDERED_LOADS, 0)
-        h = ct.load(chunk_states, (batch, chunk, head, p_block, 0), shape=(1, 1, 1, P_BLOCK, N_PAD),
-                    padding_mode=ZERO).reshape((P_BLOCK, N_PAD))
         y = precise_mma(h, C_it, ct.zeros((P_BLOCK, ROW_BLOCK), dtype=ct.float32), MODE, x.dtype)
     else:
-        C_i = ct.load(C, (batch, rows, group, 0), shape=(1, ROW_BLOCK, 1, N_PAD),
-                      padding_mode=ZERO).reshape((ROW_BLOCK, N_PAD))
-        h_t = load_transposed5(chunk_states, batch, chunk, head, p_block, 0, P_BLOCK, N_PAD,
-                               ORDERED_LOADS, 0)
         y = precise_mma(C_i, h_t, ct.zeros((ROW_BLOCK, P_BLOCK), dtype=ct.float32), MODE, x.dtype)
     # The state entering the chunk, seen by the rows still in the sequence that entered it.
     carried_scale = exp2_nonpos(hi_i + lo_i)

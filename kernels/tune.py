@@ -170,10 +170,15 @@ def parse_shape(text: str) -> tuple:
 
 def shape_inputs(shape, seqlen=None, out_alone: bool = False) -> dict:
     """Mamba-2-init inputs of a tuning shape on the GPU (seqlen overrides the shape's), for a
-    call that returns final_states too, or out alone (``ssd.state_precision``)."""
+    call that returns final_states too, or out alone (``ssd.state_precision``). No D: what the
+    benchmark's shapes and the performance targets time. The table's key has no D, and a knob
+    can rank differently with it: until 89092f0 these inputs carried D per head, and a plain
+    store of out won the search by 2.2% at the first anchor, then lost 8-10% in the benchmark
+    without D (experiments/ab_store_d_1e42bdc.txt)."""
     from kernels.gpu_report import anchor_inputs  # noqa: PLC0415
     b, L, H, P, N, G, dtype = shape
     inputs = anchor_inputs((b, seqlen or L, H, P, N, G))
+    del inputs["D"]
     for name in ("x", "B", "C"):
         inputs[name] = inputs[name].to(getattr(torch, dtype))
     inputs["return_final_states"] = not out_alone
