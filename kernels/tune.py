@@ -136,8 +136,9 @@ CANDIDATES = {
                    # (experiments/tune_1f159b8_compute_out_anchor0_out_alone.json.gz); at float32
                    # x it lost (3.41 against 2.62 ms, ..._fp32_compute_out_out_alone.json.gz).
                    # Out written by plain stores instead of TMA was a knob here until 1e42bdc: it
-                   # won the search at the first anchor, whose inputs carry D per head, and lost
-                   # 9% in the benchmark, whose anchors have no D (kernels/compute_out.py).
+                   # won the search at the first anchor, whose inputs then carried D per head,
+                   # and lost 9% in the benchmark, whose anchors have no D (kernels/compute_out.py;
+                   # the inputs have no D since: shape_inputs).
                    + [dict(row_block=r, p_block=64, occupancy=o, transposed=t, ordered_loads=False,
                            latency=0, worker_warps=None, persistent=True)
                       for (r, o), t in itertools.product(((64, 3), (64, 4), (128, 2)),
