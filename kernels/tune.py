@@ -17,9 +17,9 @@ the accuracy grid (kernels/gpu_report.py) is run on the tuned table before it is
 Candidates compile in ``--jobs`` worker processes first (cuTile's disk cache then serves this
 process). Before that each candidate's stage kernels are compiled on the CPU at the
 specializations its launches take (``kernels.variants.launch_signatures``): candidates whose
-compiled kernel matches an earlier one's are timed once (at the first anchor the 44 compute_out
-candidates compile to 28 kernels: ``ordered_loads`` changes nothing untransposed there, nor the
-latency hint at row block 128; the 52 chunk_state candidates to 29).
+compiled kernel matches an earlier one's are timed once (at the first anchor the 50 compute_out
+candidates compile to 28 kernels, 2ba8309: ``ordered_loads`` changes nothing untransposed there,
+nor the latency hint at row block 128; the 52 chunk_state candidates to 29).
 
 A user's own shapes (``--shape``, repeatable) are tuned the same way; ``--cache`` merges their
 winners into the per-user tuning cache (``kernels.ssd.tuning_cache_path()``), entries kept per GPU
