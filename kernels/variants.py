@@ -21,7 +21,8 @@ moves (``--remarks=all``). ``violations`` holds a variant to two promises: a pre
 promises tensor cores has every MMA on them, and the MMA kernels move every tile of more than one
 element by TMA (the 64-bit-indexed variants excepted: a TMA descriptor cannot encode their
 extents). The base address is taken as 16-byte aligned, as torch allocates; a view at an odd
-offset launches another specialization than CI compiles.
+offset launches another specialization than CI compiles. Each compile also reports a thread's
+registers and spilled bytes, read from the cubin (``kernel_resources``).
 
     python3 -m kernels.variants [--target sm_90 ...] [--jobs 2] [--list] [--out DIR]
 """
@@ -284,6 +285,8 @@ class CompileResult:
     fma_mmas: list = field(default_factory=list)
     tma_fallbacks: list = field(default_factory=list)
     code_digest: str = ""
+    registers: int = 0          # a thread's registers (kernel_resources)
+    spill_bytes: int = 0        # a thread's local-memory frame: registers spilled
     error: str = ""
 
 
@@ -323,23 +326,58 @@ def tma_fallbacks(remarks: str) -> list[str]:
     return sorted(found)
 
 
+def _sections(cubin: bytes):
+    """(name, offset, size) of each section of an ELF64 cubin."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
+    names_offset = headers[names_index][4]
+    for name, _, _, _, offset, size in headers:
+        yield cubin[names_offset + name:cubin.index(b"\0", names_offset + name)], offset, size
+
+
 def code_digest(cubin: bytes) -> str:
     """A digest of what a cubin runs: its machine code (the .text sections' bytes), its kernel
     attributes (.nv.info: registers, barriers, parameter layout) and its shared-memory sizes, in
     an ELF64 cubin; symbol names and line tables are left out, so two configs that compile to the
     same kernel match."""
-    shoff, = struct.unpack_from("<Q", cubin, 0x28)
-    entsize, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
-    names_offset = headers[names_index][4]
     digest = hashlib.sha256()
-    for name, _, _, _, offset, size in headers:
-        section = cubin[names_offset + name:cubin.index(b"\0", names_offset + name)]
+    for section, offset, size in _sections(cubin):
         if section.startswith((b".text", b".nv.info")):
             digest.update(cubin[offset:offset + size])
         elif section.startswith(b".nv.shared"):
             digest.update(size.to_bytes(8, "little"))
     return digest.hexdigest()[:16]
+
+
+# .nv.info attributes (each: format byte, attribute byte, then by format a 2-byte value or a
+# 2-byte size and that many bytes): the kernel's register count and its local-memory frame, which
+# holds what did not fit in them (no recursion or local arrays in these kernels). Per kernel
+# they are (symbol index, value) pairs of 4 bytes each.
+_INFO_SIZED, _REGCOUNT, _FRAME_SIZE = 0x04, 0x2F, 0x11
+
+
+def kernel_resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, spill bytes) of a thread of the cubin's kernel, from its .nv.info attributes.
+    compute_out at the first anchor's tiles (occupancy 3: 80 registers) keeps a frame of 8 bytes
+    a thread on sm_90, 16 with D per head, and on the H200 ncu counted four times the
+    local-memory requests with D (experiments/ncu_compute_out_d_a86c27f.txt.gz): the CPU
+    compile shows the spills that ncu measures."""
+    found = {}
+    for section, offset, size in _sections(cubin):
+        if not section.startswith(b".nv.info"):
+            continue
+        i, end = offset, offset + size
+        while i + 4 <= end:
+            form, attribute = cubin[i], cubin[i + 1]
+            length, = struct.unpack_from("<H", cubin, i + 2)
+            if form == _INFO_SIZED:
+                if attribute in (_REGCOUNT, _FRAME_SIZE) and length >= 8:
+                    found[attribute] = struct.unpack_from("<I", cubin, i + 8)[0]
+                i += 4 + length
+            else:
+                i += 4
+    return found.get(_REGCOUNT, 0), found.get(_FRAME_SIZE, 0)
 
 
 def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -> CompileResult:
@@ -368,7 +406,9 @@ def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -
             else:
                 result.ok = True
                 with open(cubin, "rb") as f:
-                    result.code_digest = code_digest(f.read())
+                    machine_code = f.read()
+                result.code_digest = code_digest(machine_code)
+                result.registers, result.spill_bytes = kernel_resources(machine_code)
                 if target == REMARK_TARGET:
                     remarks = run.stdout + run.stderr
                     result.tensor_core_mmas, result.fma_mmas = mma_remarks(remarks)
@@ -469,7 +509,9 @@ def main(argv=None) -> int:
         failures += bool(problems)
         status = "FAIL" if problems else "ok"
         tc = f" tc={r.tensor_core_mmas}" if r.target == REMARK_TARGET else ""
-        print(f"{status:4s} {r.target} {r.seconds:5.1f}s{tc} {r.variant}")
+        spills = f" spill={r.spill_bytes}B" if r.spill_bytes else ""
+        print(f"{status:4s} {r.target} {r.seconds:5.1f}s regs={r.registers}{spills}{tc} "
+              f"{r.variant}")
         for p in problems:
             print("     " + p.replace("\n", "\n     "))
     print(f"{len(results)} compiles, {failures} failed, {time.perf_counter() - start:.0f} s")

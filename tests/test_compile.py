@@ -35,6 +35,8 @@ def compiled():
 def test_variant_compiles(compiled, variant, target):
     result = compiled[(variant.name, target)]
     assert result.ok, f"{variant.config.describe()} on {target}:\n{result.error}"
+    # Read from the cubin's kernel attributes (kernel_resources): a thread has 1..255 registers.
+    assert 0 < result.registers <= 255, (variant.name, target, result.registers)
     problems = violations(variant, result)
     assert not problems, f"{variant.config.describe()} on {target}: {problems}"
 
