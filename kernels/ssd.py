@@ -5,7 +5,8 @@ is ``kernels.contract``).
     chunk_cumsum    dt (b, H, nchunks, Q), log2_decay_cumsum               kernels/chunk_cumsum.py
                     (b, H, nchunks, 2, Q) fp32 (hi + lo)
     fwd_pass_state  chunk_states (b, nchunks, H, P, N) state_dtype,        kernels/fwd_pass_state.py
-                    final_states (b, H, P, N) fp32, varlen_states fp32
+                    final_states (b, H, P, N) fp32, varlen_states fp32     (or in one walk:
+                                                                           kernels/state_scan.py)
     compute_out     out (b, L, H, P) in x's dtype                          kernels/compute_out.py
                     (from 8 heads per group, after the scores C.B^T of     kernels/chunk_scores.py
                     each chunk, once per group)
@@ -137,11 +138,22 @@ from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
 from kernels.device import require_gpu
 from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
                                     fwd_pass_state)
+from kernels.state_scan import StateScanConfig, state_scan
 from kernels.tile_ops import INT32_LIMIT, PRECISIONS, needs_int64, next_pow2
 from oracles.common import SSDResult
 
 SUPPORTED_CHUNK_SIZES = (64, 128, 256)
 DEFAULT_CHUNK_SIZE = 256
+# chunk_size=None picks STATE_SCAN_CHUNK_SIZE where the fused state scan applies
+# (``fuses_state_scan``, ``default_chunk_size``), else DEFAULT_CHUNK_SIZE. The scan walks the
+# chunks of a (row, head) in one block, so it needs at least STATE_SCAN_MIN_ROW_HEADS of them in
+# flight; from STATE_SCAN_WIDE_N_ROW_HEADS its blocks take 128 state columns rather than 64. On
+# the H200 (kernels/state_scan.py has the figures): 512 (row, head) pairs, 64 x 128 tiles, and
+# 128 pairs, 64 x 64 tiles, faster than chunk 256's two kernels; 64 pairs walking 512 chunks each
+# untried (chunk 128 with the two kernels lost there, 1.71 against 1.53 ms).
+STATE_SCAN_CHUNK_SIZE = 128
+STATE_SCAN_MIN_ROW_HEADS = 128
+STATE_SCAN_WIDE_N_ROW_HEADS = 256
 MAX_HEADDIM = 256
 MAX_DSTATE = 256
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -256,12 +268,17 @@ class Plan:
     chunk_state: ChunkStateConfig
     state_passing: StatePassingConfig
     out: ComputeOutConfig
+    # When set, stage 2 is this one kernel instead of chunk_state and state_passing.
+    state_scan: Optional[StateScanConfig] = None
 
     def named_configs(self) -> tuple[tuple[str, object], ...]:
         """(kernel name, config) in launch order; the scores kernel only when compute_out shares
         its scores (kernels/chunk_scores.py)."""
-        named = [("chunk_cumsum", self.cumsum), ("chunk_state", self.chunk_state),
-                 ("state_passing", self.state_passing)]
+        named = [("chunk_cumsum", self.cumsum)]
+        if self.state_scan is not None:
+            named.append(("state_scan", self.state_scan))
+        else:
+            named += [("chunk_state", self.chunk_state), ("state_passing", self.state_passing)]
         if self.out.shared_scores:
             named.append(("chunk_scores", ChunkScoresConfig.for_out(self.out)))
         return (*named, ("compute_out", self.out))
@@ -455,6 +472,17 @@ def _state_passing_tiles(key: ProblemKey, p_pad: int, n_pad: int,
     return p_block, n_block
 
 
+def fuses_state_scan(key: ProblemKey, states_mode: str) -> bool:
+    """Whether stage 2 runs as kernels/state_scan.py: at its chunk size, with enough (row, head)
+    pairs, the increments summed in one 'input' MMA (a call that returns no states, bf16 x:
+    ``state_precision``; the modes that sum float32-grade states were not measured fused), and
+    none of what only the two kernels handle (sequence index, per-sequence starts, varlen
+    states)."""
+    return (key.chunk_size == STATE_SCAN_CHUNK_SIZE and states_mode == "input"
+            and key.batch * key.nheads >= STATE_SCAN_MIN_ROW_HEADS and key.seq_dtype is None
+            and not key.per_seq_start and not key.varlen)
+
+
 def make_plan(key: ProblemKey, state_dtype: Optional[torch.dtype] = None,
               precision: Optional[str] = None) -> Plan:
     """The kernels' variants and tiles for a problem: a function of the key and, on a GPU, of the
@@ -472,7 +500,14 @@ def make_plan(key: ProblemKey, state_dtype: Optional[torch.dtype] = None,
 def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
           sources: tuple) -> Plan:
     mode = resolve_precision(precision, key.x_dtype)
+    states_mode = state_precision(mode, key.x_dtype, key.states_returned)
+    fused = fuses_state_scan(key, states_mode)
     tuned = tuned_entry(tuning_key(key, mode), sources)
+    if fused and not tuned:
+        # No search at the scan's chunk size yet: compute_out takes chunk 256's tiles, as the
+        # H200 A/B timed them (0.364 ms at the first anchor; kernels/state_scan.py).
+        chunk_256 = tuning_key(replace(key, chunk_size=DEFAULT_CHUNK_SIZE), mode)
+        tuned = {"compute_out": tuned_entry(chunk_256, sources).get("compute_out", {})}
     wide = key.needs_int64()
     Q = key.chunk_size
     row_block = min(ROW_BLOCK, Q)
@@ -486,7 +521,6 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                head_block=head_block_for(key.nheads), has_bias=key.has_bias,
                                softplus=key.softplus, has_limit=key.has_limit, wide=wide)
     per_seq_start_dtype = key.start_dtype if key.per_seq_start else f32
-    states_mode = state_precision(mode, key.x_dtype, key.states_returned)
     # Increments summed in 'input' (bf16 x, a call that returns no states) are stored in bf16, as
     # the states they add up to are: half the traffic between the two kernels.
     increment_dtype = torch.bfloat16 if states_mode == "input" else f32
@@ -513,7 +547,15 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
         has_d=key.has_d, has_z=key.z_dtype is not None, has_seq=has_seq,
         per_seq_start=key.per_seq_start, shared_scores=shares_scores(key), wide=wide)
     out = replace(out, **tuned.get("compute_out", {}))
-    return Plan(cumsum, chunk_state, passing, out)
+    scan = None
+    if fused:
+        wide_n = key.batch * key.nheads >= STATE_SCAN_WIDE_N_ROW_HEADS
+        scan = StateScanConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype,
+                               start_dtype=key.start_dtype or f32, state_dtype=state_dtype,
+                               chunk_size=Q, p_block=p_block,
+                               n_block=min(n_pad, 128 if wide_n else 64), precision=states_mode,
+                               has_start=key.start_dtype is not None, wide=wide)
+    return Plan(cumsum, chunk_state, passing, out, scan)
 
 
 def _check_supported(problem: SSDProblem, state_dtype) -> None:
@@ -558,6 +600,9 @@ class StagePipeline:
 
     def states(self, dt, log2_cumsum, stream=None):
         p = self.problem
+        if self.plan.state_scan is not None:
+            return state_scan(p.x, p.B, dt, log2_cumsum, p.initial_states, self.plan.state_scan,
+                              stream)
         return fwd_pass_state(
             StateInputs(x=p.x, B=p.B, dt=dt, log2_decay_cumsum=log2_cumsum, A=self.A,
                         seq_idx=self.seq_idx, start_states=p.initial_states,
@@ -636,6 +681,20 @@ def ssd_forward_stages(problem: SSDProblem, *, state_dtype=None,
     return run_stages(problem, state_dtype=state_dtype, precision=precision, states_returned=True)
 
 
+def default_chunk_size(problem: SSDProblem, precision: Optional[str] = None,
+                       varlen: bool = False) -> int:
+    """The chunk size ``ssd_forward(chunk_size=None)`` runs ``problem`` at (its own chunk_size
+    is ignored): STATE_SCAN_CHUNK_SIZE where the fused state scan takes the call
+    (``fuses_state_scan``), else DEFAULT_CHUNK_SIZE."""
+    if problem.batch * problem.nheads < STATE_SCAN_MIN_ROW_HEADS:
+        return DEFAULT_CHUNK_SIZE
+    key = _key(replace(problem, chunk_size=STATE_SCAN_CHUNK_SIZE),
+               varlen and problem.cu_seqlens is not None, None)
+    mode = resolve_precision(precision, key.x_dtype)
+    fused = fuses_state_scan(key, state_precision(mode, key.x_dtype, key.states_returned))
+    return STATE_SCAN_CHUNK_SIZE if fused else DEFAULT_CHUNK_SIZE
+
+
 def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
                 initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
                 dt_limit=(0.0, math.inf), return_final_states=False, return_varlen_states=False,
@@ -643,7 +702,8 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     """Mamba-2 SSD forward: out [, final_states] [, varlen_states], as mamba_ssm returns them.
 
     Arguments as ``mamba_chunk_scan_combined`` (kernels.contract documents them). chunk_size None
-    takes DEFAULT_CHUNK_SIZE; supported: 64, 128, 256. headdim and dstate up to 256. Inputs may be
+    picks per call (``default_chunk_size``: 128 with the fused state scan for calls with many
+    (row, head) pairs that return out alone, else 256); supported: 64, 128, 256. headdim and dstate up to 256. Inputs may be
     non-contiguous (the kernels read through strides). state_dtype: dtype of the stored chunk
     states (default: x's dtype in 'input', else float32); precision: 'auto' (default), 'ieee',
     '3xtf32', 'tf32', 'input', '2xbf16', '3xbf16', '2xfp16' or '3xfp16' (see the module
@@ -656,6 +716,9 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
                        return_varlen_states=return_varlen_states,
                        supported_chunk_sizes=SUPPORTED_CHUNK_SIZES,
                        implementation="the cuTile kernels", defer_decay_check=True)
+    if chunk_size is None:
+        problem = replace(problem, chunk_size=default_chunk_size(problem, precision,
+                                                                 return_varlen_states))
     result = run_stages(problem, state_dtype=state_dtype, precision=precision,
                         varlen=return_varlen_states)
     # The kernels are queued; the A <= 0 verdict decides whether their outputs are returned.

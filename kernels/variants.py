@@ -61,7 +61,7 @@ REMARK_TARGET = "sm_90"
 # cuTile's compile flags for a kernel with default options (cuda/tile/_compile.py: compile_cubin).
 TILEIRAS_FLAGS = ("-O3", "--lineinfo")
 TENSOR_CORE_PRECISIONS = ("3xtf32", "tf32", "input", "2xbf16", "3xbf16", "2xfp16", "3xfp16")
-MMA_KERNELS = ("chunk_state", "chunk_scores", "compute_out")
+MMA_KERNELS = ("chunk_state", "state_scan", "chunk_scores", "compute_out")
 
 f32, bf16, f16, i32, i64 = torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
 
@@ -92,6 +92,17 @@ COVERING_KEYS = (
     ("anchor-b8-L4096-h64-z-d-per-channel-out-only",
      replace(_anchor(8, 4096, 64, 1, has_d=True, d_per_channel=True, z_dtype=bf16),
              states_returned=False), None, None),
+    # chunk_size=None's pick for these out-alone calls: the fused state scan at chunk 128
+    # (kernels.ssd.fuses_state_scan), with 128 state columns a block from 256 (row, head) pairs.
+    ("anchor-b8-L4096-h64-q128-out-only-state-scan",
+     replace(_anchor(8, 4096, 64, 1), chunk_size=128, states_returned=False), None, None),
+    ("anchor-b4-L8192-h32-g8-q128-out-only-state-scan",
+     replace(_anchor(4, 8192, 32, 8), chunk_size=128, states_returned=False), None, None),
+    ("anchor-b8-L4096-h64-q128-out-only-state-scan-start-d",
+     replace(_anchor(8, 4096, 64, 1, start_dtype=f32, has_d=True), chunk_size=128,
+             states_returned=False), None, None),
+    ("int64-b1-L139264-h256-q128-out-only-state-scan",
+     replace(_anchor(1, 139264, 256, 1), chunk_size=128, states_returned=False), None, None),
     ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,
                                           softplus=True), None, None),
     ("int64-b1-L139264-h256", _anchor(1, 139264, 256, 1, has_d=True), None, None),

@@ -2,9 +2,11 @@
 
 Rows (each times one call, with the problem's tensors already on the GPU):
 
-    ours            kernels.ssd_forward(x, dt, A, B, C, chunk_size=Q, D=, z=)   Q: --chunk-size
-    ours.<stage>    one stage entry (kernels/chunk_cumsum.py, fwd_pass_state.py, compute_out.py) on
-                    the previous stages' outputs, in the variant ssd_forward picks
+    ours            kernels.ssd_forward(x, dt, A, B, C, chunk_size=Q, D=, z=)   Q: --chunk-size,
+                    else the one ssd_forward picks (kernels.ssd.default_chunk_size)
+    ours.<stage>    one stage entry (kernels/chunk_cumsum.py, fwd_pass_state.py or state_scan.py,
+                    compute_out.py) on the previous stages' outputs, in the variant ssd_forward
+                    picks
     mamba_ssm       mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=256, D=, z=), its default
                     use
     fla_kernel      fla.ops.simple_gla.chunk_simple_gla(q=C, k=B, v=x*dt, g=A*dt, scale=1.0) on
@@ -384,10 +386,12 @@ def _plain_problem_only(problem, who: str) -> None:
                          f"shapes have none), got one with them")
 
 
-def our_contenders(problem) -> Iterator[Contender]:
-    """ssd_forward, then each stage entry on the outputs of the stages before it."""
+def our_contenders(problem, chunk_size: Optional[int] = None) -> Iterator[Contender]:
+    """ssd_forward at ``chunk_size`` (None: the one it picks for the call, as a call with its
+    default settings), then each stage entry on the outputs of the stages before it."""
     from kernels import ssd  # noqa: PLC0415  (on a GPU machine a broken cuTile fails loudly here)
 
+    problem = dataclasses.replace(problem, chunk_size=chunk_size or ssd.default_chunk_size(problem))
     kwargs = problem.call_kwargs()
     precision = ssd.resolve_precision(None, problem.x.dtype)
     state_dtype = ssd.resolve_state_dtype(None, precision, problem.x.dtype)
@@ -407,8 +411,10 @@ def our_contenders(problem) -> Iterator[Contender]:
         "compute_out": lambda: pipeline.out(dt, log2_cumsum, chunk_states,
                                             torch.cuda.current_stream()),
     }
+    states_kernels = [cfg for name, cfg in plan.named_configs()
+                      if name in ("chunk_state", "state_passing", "state_scan")]
     variants = {"chunk_cumsum": plan.cumsum.describe(),
-                "fwd_pass_state": f"{plan.chunk_state.describe()}; {plan.state_passing.describe()}",
+                "fwd_pass_state": "; ".join(cfg.describe() for cfg in states_kernels),
                 "compute_out": "; ".join(cfg.describe() for name, cfg in plan.named_configs()
                                          if name in ("chunk_scores", "compute_out"))}
     for stage in STAGES:
@@ -501,6 +507,7 @@ class RunContext:
     copy_gbps: float
     peers: dict                       # name -> (function, description) or PeerUnavailable
     device: str = "cuda"
+    our_chunk_size: Optional[int] = None   # None: the one ssd_forward picks per call
 
     @property
     def on_gpu(self) -> bool:
@@ -538,7 +545,7 @@ ROW_GROUPS = (("ours", (OURS, *(f"{OURS}.{stage}" for stage in STAGES))),
 def _group_builder(group: str, ctx: RunContext):
     """problem -> Iterator[Contender] for a row group, or the reason a peer cannot run here."""
     if group == "ours":
-        return our_contenders
+        return lambda problem: our_contenders(problem, ctx.our_chunk_size)
     loaded = ctx.peers[group]
     if isinstance(loaded, Exception):
         return str(loaded)
@@ -601,8 +608,9 @@ def speedups(record: dict) -> dict:
 
 
 def run(shapes: list[BenchShape], plan: TimingPlan, budget_s: Optional[float] = None,
-        log=print, checkpoint=None) -> dict:
-    """Measure every shape; the bench.json document (``checkpoint(doc)`` after each shape)."""
+        log=print, checkpoint=None, our_chunk_size: Optional[int] = None) -> dict:
+    """Measure every shape; the bench.json document (``checkpoint(doc)`` after each shape).
+    our_chunk_size: ours at that chunk size, None: at the one ssd_forward picks per call."""
     started = time.perf_counter()
     peers = {}
     for name, load in (("mamba_ssm", load_mamba_ssm), ("fla", load_fla)):
@@ -614,7 +622,8 @@ def run(shapes: list[BenchShape], plan: TimingPlan, budget_s: Optional[float] = 
     probe = copy_probe(timer)
     log(f"copy probe: {probe['gbps']:.0f} GB/s ({probe['bytes_moved'] / 2**30:.0f} GiB moved, "
         f"median of {probe['reps']})")
-    ctx = RunContext(timer=timer, copy_gbps=probe["gbps"], peers=peers)
+    ctx = RunContext(timer=timer, copy_gbps=probe["gbps"], peers=peers,
+                     our_chunk_size=our_chunk_size)
     doc = dict(schema=SCHEMA, provenance=collect(),
                timing=dict(method="CUDA events around each call after warm-up, median; L2 flushed "
                                   "(256 MiB memset) before every timed call; first call untimed",
@@ -936,7 +945,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="fewer timed calls per row and three scaling seqlens (a smoke run)")
     parser.add_argument("--chunk-size", type=int, default=None,
-                        help="our chunk size (default: kernels.DEFAULT_CHUNK_SIZE)")
+                        help="our chunk size (default: the one ssd_forward picks per call, "
+                             "kernels.ssd.default_chunk_size)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for bench.json, bench.txt, bench_shapes.png and "
                              "bench_scaling.png (default "
@@ -1019,7 +1029,8 @@ def _measure(args: argparse.Namespace) -> dict:
     checkpoint = None if out_dir is None else \
         (lambda partial: write_json(partial, Path(out_dir) / "bench.json"))
     doc = run(shapes, QUICK_TIMING if args.quick else FULL_TIMING, budget_s=args.budget_s,
-              log=lambda line: print(line, file=sys.stderr, flush=True), checkpoint=checkpoint)
+              log=lambda line: print(line, file=sys.stderr, flush=True), checkpoint=checkpoint,
+              our_chunk_size=args.chunk_size)
     if out_dir is not None:
         for path in write_outputs(doc, Path(out_dir)):
             print(f"wrote {path}", file=sys.stderr)

@@ -445,7 +445,7 @@ def _fp32_reference(**kwargs):
     return ssd_reference(**kwargs, compute_dtype=torch.float32)
 
 
-def _stand_in_ours(problem):
+def _stand_in_ours(problem, chunk_size=None):
     yield bench.Contender("ours", problem.chunk_size,
                           lambda: _fp32_reference(**problem.call_kwargs()), lambda out: out)
     yield bench.Contender("ours.compute_out", problem.chunk_size, lambda: None, None)
@@ -481,7 +481,7 @@ def test_bench_shape_records_every_row(monkeypatch):
 
 
 def test_bench_shape_records_failures_and_missing_peers(monkeypatch):
-    def broken_ours(problem):
+    def broken_ours(problem, chunk_size=None):
         yield bench.Contender("ours", problem.chunk_size, lambda: 1 / 0, lambda out: out)
         raise RuntimeError("the stages cannot be prepared")
 
@@ -561,7 +561,7 @@ def test_stage_rows_call_each_stage_as_ssd_forward_does(monkeypatch, D):
     ssd.run_stages(problem)
     forward = list(calls)
     assert [c[0] for c in forward] == list(bench.STAGES)
-    rows = {c.name: c for c in bench.our_contenders(problem)}
+    rows = {c.name: c for c in bench.our_contenders(problem, problem.chunk_size)}
     calls.clear()
     for stage in bench.STAGES:
         rows[f"ours.{stage}"].call()

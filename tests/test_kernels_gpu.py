@@ -295,6 +295,41 @@ def test_out_alone_agrees_with_out_beside_its_states():
     assert float((alone - beside.double()).abs().max()) <= tol
 
 
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("batch, initial_states", [(2, False), (4, True)])
+def test_state_scan_agrees_with_the_two_state_kernels_and_its_out_within_rule(batch,
+                                                                              initial_states):
+    """The fused state scan (kernels/state_scan.py), chunk_size=None's pick for calls with many
+    (row, head) pairs that return out alone, over a partial last chunk: its chunk and final
+    states agree with chunk_state and the state passing in the same 'input' mode to bf16
+    roundings (the scan carries h in float32 between chunks, the two kernels add bf16
+    increments), and the call's out passes the rule against float64 (check_problem judges
+    ssd_forward's out-alone path). 2 rows x 64 heads walk 64 x 64 tiles, 4 rows 64 x 128."""
+    from dataclasses import replace
+    from kernels.gpu_check import check_problem
+    from kernels.ssd import default_chunk_size, stage_pipeline
+    spec = ProblemSpec(batch=batch, seqlen=1000, nheads=64, headdim=64, dstate=128, ngroups=1,
+                       chunk_size=128, x_dtype="bf16", bc_dtype="bf16", D="head",
+                       initial_states=initial_states)
+    problem = build_problem(spec, "cuda")
+    assert default_chunk_size(problem) == 128
+    fused = stage_pipeline(problem, states_returned=False)
+    assert fused.plan.state_scan is not None
+    assert fused.plan.state_scan.n_block == (128 if batch * 64 >= 256 else 64)
+    two_kernels = replace(fused, plan=replace(fused.plan, state_scan=None))
+    dt, cumsum = fused.cumsum()
+    for name, a, b in zip(("chunk_states", "final_states"), fused.states(dt, cumsum)[:2],
+                          two_kernels.states(dt, cumsum)[:2]):
+        a, b = a.double(), b.double()
+        tol = relation_tolerance(torch.bfloat16, float(b.abs().max()))
+        assert float((a - b).abs().max()) <= tol, name
+    record = check_problem(problem, with_mamba=False)
+    assert not record["violations"], record["violations"]
+    assert float(ssd_forward(*(problem.x, problem.dt, problem.A, problem.B, problem.C), D=problem.D,
+                             initial_states=problem.initial_states).isfinite().all())
+
+
 def test_input_computes_the_states_of_a_call_that_returns_none_in_input():
     """In 'input' the chunk states of a call that returns out alone only feed compute_out, which
     rounds them to x's dtype: their matmul runs in 'input' too. Returned states (final, varlen,

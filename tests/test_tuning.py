@@ -85,6 +85,54 @@ def test_scores_are_shared_from_eight_heads_per_group():
             != ssd.tuning_key(replace(anchor_key(), ngroups=16), DEFAULT))
 
 
+def _meta_problem(key: ssd.ProblemKey, **changes):
+    from kernels.variants import launch_problem
+    return replace(launch_problem(key), **dict(dict(return_final_states=False), **changes))
+
+
+@pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(8, 64, 1, 128), (4, 32, 8, 64),
+                                                             (2, 64, 1, 64)])
+def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_128(batch, nheads, ngroups,
+                                                                         n_block):
+    """chunk_size=None picks chunk 128 and the fused scan where 128 (row, head) pairs or more
+    walk their chunks, 128 state columns a block from 256 pairs; compute_out takes chunk 256's
+    table tiles there (no search at 128 yet)."""
+    key = replace(anchor_key(), batch=batch, nheads=nheads, ngroups=ngroups)
+    assert ssd.default_chunk_size(_meta_problem(key)) == ssd.STATE_SCAN_CHUNK_SIZE == 128
+    fused = replace(key, chunk_size=128, states_returned=False)
+    plan = ssd.make_plan(fused)
+    assert [name for name, _ in plan.named_configs()][:2] == ["chunk_cumsum", "state_scan"]
+    assert (plan.state_scan.p_block, plan.state_scan.n_block) == (64, n_block)
+    assert plan.state_scan.state_dtype == plan.out.state_dtype == bf16
+    tiles_256 = ssd.make_plan(replace(key, states_returned=False)).out
+    assert (plan.out.occupancy, plan.out.persistent) == (tiles_256.occupancy,
+                                                         tiles_256.persistent)
+
+
+@pytest.mark.parametrize("change", ["long_single_row", "final_states", "seq_idx", "fp32",
+                                    "chunk_256"])
+def test_the_two_state_kernels_keep_what_the_scan_does_not_take(change):
+    """Fewer than 128 (row, head) pairs, returned states (float32-grade sums), packed sequences,
+    float32 x, or an explicit chunk size other than 128: chunk_state and the state passing."""
+    key = anchor_key()
+    problem_changes = {}
+    if change == "long_single_row":
+        key = replace(key, batch=1, seqlen=65536)
+    elif change == "final_states":
+        problem_changes = dict(return_final_states=True)
+    elif change == "seq_idx":
+        key = replace(key, seq_dtype=torch.int32)
+    elif change == "fp32":
+        key = replace(key, x_dtype=torch.float32, b_dtype=torch.float32, c_dtype=torch.float32)
+    if change != "chunk_256":
+        assert ssd.default_chunk_size(_meta_problem(key, **problem_changes)) == 256
+    states_returned = change == "final_states"
+    plan = ssd.make_plan(replace(key, chunk_size=128 if change != "chunk_256" else 256,
+                                 states_returned=states_returned))
+    assert plan.state_scan is None
+    assert "chunk_state" in dict(plan.named_configs())
+
+
 def test_chunk_states_are_stored_in_the_dtype_compute_out_rounds_them_to():
     """'input' rounds the entering states to x's 16-bit dtype in compute_out's matmul: stored so
     by default; every other mode stores float32, and a given state_dtype always wins."""

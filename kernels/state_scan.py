@@ -1,0 +1,143 @@
+"""Stage 2 in one kernel, for calls with many (batch row, head) pairs: chunk_state and the state
+passing fused into one walk over the chunks.
+
+    x (b, L, H, P), B (b, L, G, N), dt (b, H, nchunks, Q) and log2_decay_cumsum
+    (b, H, nchunks, 2, Q) fp32 (kernels/chunk_cumsum.py), start_states (b, H, P, N) or none
+    -> chunk_states (b, nchunks, H, P, N) state_dtype: h after c*Q steps (c = 0: the row's start)
+       final_states (b, H, P, N) fp32
+
+A block owns one (row, head, P_BLOCK x N_BLOCK tile) and walks its chunks in order, keeping h in
+float32 registers: it stores h as the state entering chunk c, then
+
+    h <- 2^(S_last) h + x_c^T (w o B_c),   w_t = dt_t 2^(S_last - S_t)
+
+with the whole chunk as the MMA's contraction (one x and one B tile a step, read in the order the
+MMA consumes them). S is flat past seqlen (dt is 0 there), so the chunk's last entry is S at its
+last position, and x is read as zero past L: the last, partial chunk needs no mask. The
+increments never reach memory, the stage's traffic is x read once and the states written once,
+but the chunks of a row are no longer parallel: kernels/fwd_pass_state.py (chunk-parallel
+increments, then a walk that adds them) keeps the long single sequences, where this kernel would
+have a few blocks walking thousands of chunks. No sequence index, per-sequence initial states or
+varlen states (the dispatcher, ``kernels.ssd.fuses_state_scan``, sends those there too).
+
+Measured on the H200 in one process against the forward at chunk 256 (bf16, out alone,
+reports/h200/experiments/ab_state_scan_436fba5.txt): at chunk 128 this stage took 0.315 ms at
+(8, 4096, 64 heads) with P x N tiles of 64 x 128 (0.340 at 64 x 64, where chunk_state and the
+state passing took 0.444 at chunk 128 and 0.283 at 256), and the forward 0.717 against 0.755 ms;
+at (4, 8192, 32 heads, 8 groups) 0.169 ms and the forward 0.373 against 0.413. Chunk 128 is what
+pays: compute_out's causal blocks shrink (0.466 -> 0.364 ms at the first shape). At chunk 64 the
+stage took 0.456 ms, and loading the next chunk's operands one step ahead 0.521 against 0.340.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.tile as ct
+import torch
+
+from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants,
+                              kernel_signature, load_log2_cumsum, load_transposed,
+                              log2_decay_between, placeholder, precise_mma, scalar_constraint)
+
+ZERO = ct.PaddingMode.ZERO
+
+
+def state_scan_kernel(x, B, dt, log2_decay_cumsum, start_states, chunk_states, final_states,
+                      nchunks, nheads, heads_per_group, n_p_blocks, n_n_blocks,
+                      CHUNK: ct.Constant[int], P_BLOCK: ct.Constant[int],
+                      N_BLOCK: ct.Constant[int], MODE: ct.Constant[int],
+                      HAS_START: ct.Constant[bool]):
+    # N blocks vary fastest: the blocks of one (row, head) read the same x tiles together.
+    pid = ct.bid(0)
+    n_block = pid % n_n_blocks
+    rest = pid // n_n_blocks
+    head = rest % nheads
+    rest = rest // nheads
+    p_block = rest % n_p_blocks
+    batch = rest // n_p_blocks
+    group = head // heads_per_group
+    tile = (1, 1, 1, P_BLOCK, N_BLOCK)
+    h = ct.zeros((P_BLOCK, N_BLOCK), dtype=ct.float32)
+    if HAS_START:
+        h = ct.load(start_states, (batch, head, p_block, n_block), shape=(1, 1, P_BLOCK, N_BLOCK),
+                    padding_mode=ZERO).reshape((P_BLOCK, N_BLOCK)).astype(ct.float32)
+    for chunk in range(nchunks):
+        ct.store(chunk_states, (batch, chunk, head, p_block, n_block),
+                 h.reshape(tile).astype(chunk_states.dtype))
+        x_cols = load_transposed(x, batch, chunk, head, p_block, CHUNK, P_BLOCK, True, 0)
+        B_rows = ct.load(B, (batch, chunk, group, n_block), shape=(1, CHUNK, 1, N_BLOCK),
+                         padding_mode=ZERO).reshape((CHUNK, N_BLOCK))
+        dt_rows = ct.load(dt, (batch, head, chunk, 0), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+        hi, lo = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, 0, CHUNK)
+        hi_last = ct.extract(hi, (CHUNK - 1,), shape=(1,))
+        lo_last = ct.extract(lo, (CHUNK - 1,), shape=(1,))
+        w = dt_rows * exp2_nonpos(log2_decay_between(hi_last, lo_last, hi, lo))
+        carry = exp2_nonpos(hi_last + lo_last).reshape((1, 1))
+        # The weights ride on the smaller operand (as in chunk_state); the carried state is the
+        # accumulator the MMA adds the chunk's increment to.
+        if P_BLOCK <= N_BLOCK:
+            h = precise_mma(x_cols.astype(ct.float32) * w[None, :], B_rows, carry * h, MODE,
+                            x.dtype)
+        else:
+            h = precise_mma(x_cols, B_rows.astype(ct.float32) * w[:, None], carry * h, MODE,
+                            x.dtype)
+    ct.store(final_states, (batch, head, p_block, n_block), h.reshape((1, 1, P_BLOCK, N_BLOCK)))
+
+
+# x, B and the states can pass 2^31 elements: 64-bit indexing of those in the wide variant.
+KERNELS = index_variants(state_scan_kernel, ("x", "B", "start_states", "chunk_states",
+                                             "final_states"))
+
+
+@dataclass(frozen=True)
+class StateScanConfig(KernelVariant):
+    VARIANTS = KERNELS
+
+    x_dtype: torch.dtype = torch.bfloat16
+    b_dtype: torch.dtype = torch.bfloat16
+    start_dtype: torch.dtype = torch.float32
+    state_dtype: torch.dtype = torch.bfloat16
+    chunk_size: int = 128
+    p_block: int = 64
+    n_block: int = 64
+    precision: str = "input"
+    has_start: bool = False
+    wide: bool = False
+    occupancy: int | None = None
+
+    def constants(self) -> tuple:
+        return (self.chunk_size, self.p_block, self.n_block, MODE[self.precision],
+                self.has_start)
+
+    def signature(self):
+        f32, i32, w = torch.float32, torch.int32, self.wide
+        return kernel_signature([
+            array_constraint(self.x_dtype, 4, w), array_constraint(self.b_dtype, 4, w),
+            array_constraint(f32, 4), array_constraint(f32, 5),
+            array_constraint(self.start_dtype, 4, w), array_constraint(self.state_dtype, 5, w),
+            array_constraint(f32, 4, w), *(scalar_constraint(i32) for _ in range(5)),
+            *self.constants()])
+
+    def describe(self) -> str:
+        return (f"state_scan x={self.x_dtype} B={self.b_dtype} Q={self.chunk_size} "
+                f"PB={self.p_block} NB={self.n_block} {self.precision} "
+                f"start={self.has_start}:{self.start_dtype} states={self.state_dtype} "
+                f"int64={self.wide} occupancy={self.occupancy}")
+
+
+def state_scan(x, B, dt, log2_decay_cumsum, start_states, cfg: StateScanConfig, stream=None):
+    """(chunk_states, final_states, None), as kernels.fwd_pass_state.fwd_pass_state returns them
+    for a call without sequence index or varlen states. start_states (b, H, P, N) or None.
+    stream: where to launch (default: the current stream)."""
+    b, L, H, P = x.shape
+    N = B.shape[3]
+    nchunks = -(-L // cfg.chunk_size)
+    chunk_states = torch.empty(b, nchunks, H, P, N, device=x.device, dtype=cfg.state_dtype)
+    final_states = torch.empty(b, H, P, N, device=x.device, dtype=torch.float32)
+    npb, nnb = -(-P // cfg.p_block), -(-N // cfg.n_block)
+    start = start_states if start_states is not None else placeholder(x.device, torch.float32, 4)
+    ct.launch(torch.cuda.current_stream() if stream is None else stream, (b * H * npb * nnb,),
+              cfg.kernel,
+              (x, B, dt, log2_decay_cumsum, start, chunk_states, final_states, nchunks, H,
+               H // B.shape[2], npb, nnb, *cfg.constants()))
+    return chunk_states, final_states, None
