@@ -30,7 +30,9 @@ in one bf16 MMA, which rounds the weighted operand to bf16 (states no longer flo
 A fused kernel that walked each (row, head, tile) through the chunks, computing every increment
 where the walk needs it (none stored), lost at all three anchor shapes: 0.70 vs 0.54, 0.42 vs
 0.32 and 2.29 vs 1.22 ms at the best tiles of each (21181f8, since removed): the chunks of a row
-lose their parallelism to save a round trip that costs little. Keeping that parallelism, with
+lose their parallelism to save a round trip that costs little. At chunk 128, with a whole chunk
+in each MMA step, the fused walk wins where many (row, head) pairs run (kernels/state_scan.py,
+the dispatcher's pick there since 58226fa); these two kernels keep the rest. Keeping that parallelism, with
 chunk_state's blocks taking tickets chunk by chunk and each adding its increment to the state
 its predecessor published through an acquire/release flag (no increments stored, one launch
 fewer), doubled the states stage at the first anchor (0.55 vs 0.28 ms; branch

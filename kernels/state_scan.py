@@ -26,7 +26,11 @@ reports/h200/experiments/ab_state_scan_436fba5.txt): at chunk 128 this stage too
 state passing took 0.444 at chunk 128 and 0.283 at 256), and the forward 0.717 against 0.755 ms;
 at (4, 8192, 32 heads, 8 groups) 0.169 ms and the forward 0.373 against 0.413. Chunk 128 is what
 pays: compute_out's causal blocks shrink (0.466 -> 0.364 ms at the first shape). At chunk 64 the
-stage took 0.456 ms, and loading the next chunk's operands one step ahead 0.521 against 0.340.
+stage took 0.456 ms; loading the next chunk's operands one step ahead 0.521 against 0.340; the
+occupancy hints 2 and 4 spill (60-140 ms). In the bench at 58226fa (experiments/
+bench_check_58226fa.txt), the stage 0.318 / 0.167 ms at the first two anchors, the forwards
+0.704 / 0.381 ms (1.56x / 1.83x mamba_ssm's in that run), out's normwise error 2.40e-3 against
+2.38e-3 at chunk 256 (mamba_ssm 2.37e-3).
 """
 from __future__ import annotations
 

@@ -311,9 +311,26 @@ def test_check_fails_when_ours_did_not_run_or_nothing_compares():
     assert failures == [f"{LABEL_A}: ours did not run (RuntimeError: boom)"]
     failures, _ = bench.check_regressions(_doc(_record(LABEL_B, 0.5, {})), baseline)
     assert len(failures) == 1 and failures[0].startswith("no shape of the baseline was compared")
-    failures, _ = bench.check_regressions(_doc(_record(LABEL_A, 0.5, {"mamba_ssm": 1.0},
-                                                       chunk_size=64)), baseline)
+    given = dict(_doc(_record(LABEL_A, 0.5, {"mamba_ssm": 1.0}, chunk_size=64)),
+                 our_chunk_size=64)
+    failures, _ = bench.check_regressions(given, baseline)
     assert failures[0].startswith(f"{LABEL_A}: our chunk size 64 differs")
+
+
+def test_check_compares_runs_at_ssd_forwards_own_chunk_picks():
+    """Where neither run was given --chunk-size, ours ran at ssd_forward's pick in both: a new
+    pick is compared like any change of ours (and named), not refused."""
+    baseline = dict(_doc(_record(LABEL_A, 0.5, {"mamba_ssm": 1.0}, chunk_size=256)),
+                    our_chunk_size=None)
+    picked = dict(_doc(_record(LABEL_A, 0.62, {"mamba_ssm": 1.0}, chunk_size=128)),
+                  our_chunk_size=None)
+    failures, lines = bench.check_regressions(picked, baseline, 0.15)
+    assert "chunk 256 -> 128" in lines[0] and "REGRESSED" in lines[0]
+    assert failures and failures[0].startswith(f"{LABEL_A}: ours/mamba_ssm time ratio 0.620")
+    baseline["provenance"] = dict(command="properties bench --chunk-size 256")
+    del baseline["our_chunk_size"]
+    failures, _ = bench.check_regressions(picked, baseline)
+    assert failures[0].startswith(f"{LABEL_A}: our chunk size 128 differs")
 
 
 def _args(**overrides):

@@ -311,7 +311,7 @@ def test_state_scan_agrees_with_the_two_state_kernels_and_its_out_within_rule(ba
     from kernels.ssd import default_chunk_size, stage_pipeline
     spec = ProblemSpec(batch=batch, seqlen=1000, nheads=64, headdim=64, dstate=128, ngroups=1,
                        chunk_size=128, x_dtype="bf16", bc_dtype="bf16", D="head",
-                       initial_states=initial_states)
+                       initial_states=initial_states, return_final_states=False)
     problem = build_problem(spec, "cuda")
     assert default_chunk_size(problem) == 128
     fused = stage_pipeline(problem, states_returned=False)
