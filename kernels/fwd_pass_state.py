@@ -28,21 +28,21 @@ Measured on the H200 (bf16 x, chunk 256, the tuner timing both kernels together 
 three bf16 terms at its best tiles; at the same tiles 0.87 ms in three TF32 terms, and 0.43 ms
 in one bf16 MMA, which rounds the weighted operand to bf16 (states no longer float32-grade).
 A fused kernel that walked each (row, head, tile) through the chunks, computing every increment
-where the walk needs it (none stored), lost at all three anchor shapes: 0.70 vs 0.54, 0.42 vs
-0.32 and 2.29 vs 1.22 ms at the best tiles of each (21181f8, since removed): the chunks of a row
-lose their parallelism to save a round trip that costs little. At chunk 128, with a whole chunk
-in each MMA step, the fused walk wins where many (row, head) pairs run (kernels/state_scan.py,
-the dispatcher's pick there since 58226fa); these two kernels keep the rest. Keeping that parallelism, with
-chunk_state's blocks taking tickets chunk by chunk and each adding its increment to the state
-its predecessor published through an acquire/release flag (no increments stored, one launch
-fewer), doubled the states stage at the first anchor (0.55 vs 0.28 ms; branch
-perf/chained-states, experiments/ab_chained_18d1c22.txt): each block's wait, carry round trip
-and release fence add to a kernel that holds two blocks an SM. ncu (4f66ebf, reports/h200/
-experiments/ncu_anchor1_4f66ebf.txt.gz): state_passing_kernel 0.13 ms at 3.96 TB/s (82% of DRAM
-peak). chunk_state_kernel is latency-bound (occupancy 17%, experiments/ncu_anchor0_6106f85.txt.gz):
-a latency hint of 6 on its x and B loads took the states stage from 0.52 to 0.43 ms at the first
-anchor, 10 from 0.26 to 0.24 at the second (tuner, bf16 chunk states, 5b56790; the sm_90 cubins
-differ with the hint).
+where the walk needs it (none stored), lost at all three anchor shapes: 0.70 vs 0.54, 0.42 vs 0.32
+and 2.29 vs 1.22 ms at the best tiles of each (21181f8, since removed): the chunks of a row lose
+their parallelism to save a round trip that costs little. At chunk 128, with a whole chunk in each
+MMA step, the fused walk wins where many (row, head) pairs run (kernels/state_scan.py, the
+dispatcher's pick there since 58226fa); these two kernels keep the rest. Keeping that parallelism,
+with chunk_state's blocks taking tickets chunk by chunk and each adding its increment to the state
+its predecessor published through an acquire/release flag (no increments stored, one launch fewer),
+doubled the states stage at the first anchor (0.55 vs 0.28 ms; branch perf/chained-states,
+experiments/ab_chained_18d1c22.txt): each block's wait, carry round trip and release fence add to a
+kernel that holds two blocks an SM. ncu (4f66ebf,
+reports/h200/experiments/ncu_anchor1_4f66ebf.txt.gz): state_passing_kernel 0.13 ms at 3.96 TB/s
+(82% of DRAM peak). chunk_state_kernel is latency-bound (occupancy 17%,
+experiments/ncu_anchor0_6106f85.txt.gz): a latency hint of 6 on its x and B loads took the states
+stage from 0.52 to 0.43 ms at the first anchor, 10 from 0.26 to 0.24 at the second (tuner, bf16
+chunk states, 5b56790; the sm_90 cubins differ with the hint).
 ``persistent`` (a tuner knob, ``KernelVariant.launch_blocks``) launches chunk_state as the
 blocks the SMs hold at once, each walking tiles ``ct.num_blocks(0)`` apart; at the first anchor
 it lost (0.317 ms against 0.288, experiments/tune_1f159b8_chunk_state_anchor0_out_alone.json.gz).
@@ -74,6 +74,16 @@ def split_block_index(pid, nheads, n_p_blocks, n_n_blocks):
 
 
 @ct.function
+def weights_ride_on_x(x, B, P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int]):
+    """Whether an increment's decay weights multiply its x operand rather than its B operand.
+    The other operand stays as loaded: a 16-bit operand left alone is exact in TF32, so the split
+    modes cut only the weighted one, in 3 terms (~2^-33 per product) instead of both in 2
+    (~2^-22). Between operands of one kind, weighting the smaller tile costs fewer elementwise
+    ops and splits."""
+    return is_16bit(x) == is_16bit(B) and P_BLOCK <= N_BLOCK or is_16bit(B) and not is_16bit(x)
+
+
+@ct.function
 def chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_block, n_block,
                     end, seq_end, hi_end, lo_end, CHUNK: ct.Constant[int],
                     ROW_BLOCK: ct.Constant[int], P_BLOCK: ct.Constant[int],
@@ -93,11 +103,7 @@ def chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_
         acc = ct.zeros((N_BLOCK, P_BLOCK), dtype=ct.float32)
     else:
         acc = ct.zeros((P_BLOCK, N_BLOCK), dtype=ct.float32)
-    # The weights ride on one operand; the other stays as loaded. A 16-bit operand left alone is
-    # exact in TF32, so the split modes cut only the weighted one, in 3 terms (~2^-33 per
-    # product) instead of both in 2 (~2^-22). Between operands of one kind, weighting the
-    # smaller tile costs fewer elementwise ops and splits.
-    weight_x = is_16bit(x) == is_16bit(B) and P_BLOCK <= N_BLOCK or is_16bit(B) and not is_16bit(x)
+    weight_x = weights_ride_on_x(x, B, P_BLOCK, N_BLOCK)
     rows_per_chunk = CHUNK // ROW_BLOCK
     for row_block in range(end_local // ROW_BLOCK + 1):
         local = row_block * ROW_BLOCK + ct.arange(ROW_BLOCK, dtype=ct.int32)

@@ -688,8 +688,9 @@ def default_chunk_size(problem: SSDProblem, precision: Optional[str] = None,
     (``fuses_state_scan``), else DEFAULT_CHUNK_SIZE."""
     if problem.batch * problem.nheads < STATE_SCAN_MIN_ROW_HEADS:
         return DEFAULT_CHUNK_SIZE
-    key = _key(replace(problem, chunk_size=STATE_SCAN_CHUNK_SIZE),
-               varlen and problem.cu_seqlens is not None, None)
+    # The rule reads no index width: the key skips _key's 2^31 checks of the tensors.
+    key = ProblemKey.from_problem(replace(problem, chunk_size=STATE_SCAN_CHUNK_SIZE),
+                                  varlen and problem.cu_seqlens is not None, wide=False)
     mode = resolve_precision(precision, key.x_dtype)
     fused = fuses_state_scan(key, state_precision(mode, key.x_dtype, key.states_returned))
     return STATE_SCAN_CHUNK_SIZE if fused else DEFAULT_CHUNK_SIZE
@@ -703,11 +704,11 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
 
     Arguments as ``mamba_chunk_scan_combined`` (kernels.contract documents them). chunk_size None
     picks per call (``default_chunk_size``: 128 with the fused state scan for calls with many
-    (row, head) pairs that return out alone, else 256); supported: 64, 128, 256. headdim and dstate up to 256. Inputs may be
-    non-contiguous (the kernels read through strides). state_dtype: dtype of the stored chunk
-    states (default: x's dtype in 'input', else float32); precision: 'auto' (default), 'ieee',
-    '3xtf32', 'tf32', 'input', '2xbf16', '3xbf16', '2xfp16' or '3xfp16' (see the module
-    docstring).
+    (row, head) pairs that return out alone, else 256); supported: 64, 128, 256. headdim and
+    dstate up to 256. Inputs may be non-contiguous (the kernels read through strides).
+    state_dtype: dtype of the stored chunk states (default: x's dtype in 'input', else float32);
+    precision: 'auto' (default), 'ieee', '3xtf32', 'tf32', 'input', '2xbf16', '3xbf16', '2xfp16'
+    or '3xfp16' (see the module docstring).
     """
     problem = validate(x, dt, A, B, C, DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,
                        D=D, z=z, dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
@@ -717,8 +718,9 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
                        supported_chunk_sizes=SUPPORTED_CHUNK_SIZES,
                        implementation="the cuTile kernels", defer_decay_check=True)
     if chunk_size is None:
-        problem = replace(problem, chunk_size=default_chunk_size(problem, precision,
-                                                                 return_varlen_states))
+        picked = default_chunk_size(problem, precision, return_varlen_states)
+        if picked != problem.chunk_size:
+            problem = replace(problem, chunk_size=picked)
     result = run_stages(problem, state_dtype=state_dtype, precision=precision,
                         varlen=return_varlen_states)
     # The kernels are queued; the A <= 0 verdict decides whether their outputs are returned.

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
+from kernels.fwd_pass_state import weights_ride_on_x
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants,
                               kernel_signature, load_log2_cumsum, load_transposed,
                               log2_decay_between, placeholder, precise_mma, scalar_constraint)
@@ -77,9 +78,8 @@ def state_scan_kernel(x, B, dt, log2_decay_cumsum, start_states, chunk_states, f
         lo_last = ct.extract(lo, (CHUNK - 1,), shape=(1,))
         w = dt_rows * exp2_nonpos(log2_decay_between(hi_last, lo_last, hi, lo))
         carry = exp2_nonpos(hi_last + lo_last).reshape((1, 1))
-        # The weights ride on the smaller operand (as in chunk_state); the carried state is the
-        # accumulator the MMA adds the chunk's increment to.
-        if P_BLOCK <= N_BLOCK:
+        # The carried state is the accumulator the MMA adds the chunk's increment to.
+        if weights_ride_on_x(x, B, P_BLOCK, N_BLOCK):
             h = precise_mma(x_cols.astype(ct.float32) * w[None, :], B_rows, carry * h, MODE,
                             x.dtype)
         else:

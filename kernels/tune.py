@@ -210,7 +210,8 @@ def with_candidate(plan: ssd.Plan, stage: str, cand: dict, precision: str | None
 
 def _pipeline(inputs: dict, chunk_size: int, plan: ssd.Plan | None = None,
               precision: str | None = None) -> ssd.StagePipeline:
-    """The stages of a call on ``inputs``: at ``plan``, else at the dispatcher's in ``precision``."""
+    """The stages of a call on ``inputs``: at ``plan``, else at the dispatcher's plan in
+    ``precision``."""
     problem = validate(**inputs, chunk_size=chunk_size)
     pipeline = ssd.stage_pipeline(problem, precision=precision)
     return pipeline if plan is None else replace(pipeline, plan=plan)
