@@ -149,10 +149,10 @@ DEFAULT_CHUNK_SIZE = 256
 # chunks of a (row, head) in one block, so it needs at least STATE_SCAN_MIN_ROW_HEADS of them in
 # flight; from STATE_SCAN_WIDE_N_ROW_HEADS its blocks take 128 state columns rather than 64. On
 # the H200 (kernels/state_scan.py has the figures): 512 (row, head) pairs, 64 x 128 tiles, and
-# 128 pairs, 64 x 64 tiles, faster than chunk 256's two kernels; 64 pairs walking 512 chunks each
-# untried (chunk 128 with the two kernels lost there, 1.71 against 1.53 ms).
+# 64 or 128 pairs, 64 x 64 tiles, faster than chunk 256's two kernels (64 pairs walking 512
+# chunks each too: 1.37 against 1.54 ms a forward); 32 pairs lose (0.96 against 0.86 ms).
 STATE_SCAN_CHUNK_SIZE = 128
-STATE_SCAN_MIN_ROW_HEADS = 128
+STATE_SCAN_MIN_ROW_HEADS = 64
 STATE_SCAN_WIDE_N_ROW_HEADS = 256
 MAX_HEADDIM = 256
 MAX_DSTATE = 256

@@ -16,8 +16,8 @@ MMA consumes them). S is flat past seqlen (dt is 0 there), so the chunk's last e
 last position, and x is read as zero past L: the last, partial chunk needs no mask. The
 increments never reach memory, the stage's traffic is x read once and the states written once,
 but the chunks of a row are no longer parallel: kernels/fwd_pass_state.py (chunk-parallel
-increments, then a walk that adds them) keeps the long single sequences, where this kernel would
-have a few blocks walking thousands of chunks. No sequence index, per-sequence initial states or
+increments, then a walk that adds them) keeps the calls with fewer than 64 (row, head) pairs,
+where this kernel's few blocks would walk too many chunks each. No sequence index, per-sequence initial states or
 varlen states (the dispatcher, ``kernels.ssd.fuses_state_scan``, sends those there too).
 
 Measured on the H200 in one process against the forward at chunk 256 (bf16, out alone,
@@ -30,7 +30,10 @@ stage took 0.456 ms; loading the next chunk's operands one step ahead 0.521 agai
 occupancy hints 2 and 4 spill (60-140 ms). In the bench at 58226fa (experiments/
 bench_check_58226fa.txt), the stage 0.318 / 0.167 ms at the first two anchors, the forwards
 0.704 / 0.381 ms (1.56x / 1.83x mamba_ssm's in that run), out's normwise error 2.40e-3 against
-2.38e-3 at chunk 256 (mamba_ssm 2.37e-3).
+2.38e-3 at chunk 256 (mamba_ssm 2.37e-3). At 64 pairs (one row of 64 heads, 512 chunks each
+walked by 128 blocks of 64 x 64 tiles) the stage took 0.622 ms against the two kernels' 0.584 at
+chunk 256, and the forward 1.372 against 1.543 ms; at 32 pairs the forward lost, 0.955 against
+0.861 ms (experiments/ab_fused_64pairs_e85c35f.txt).
 """
 from __future__ import annotations
 
