@@ -147,13 +147,20 @@ DEFAULT_CHUNK_SIZE = 256
 # chunk_size=None picks STATE_SCAN_CHUNK_SIZE where the fused state scan applies
 # (``fuses_state_scan``, ``default_chunk_size``), else DEFAULT_CHUNK_SIZE. The scan walks the
 # chunks of a (row, head) in one block, so it needs at least STATE_SCAN_MIN_ROW_HEADS of them in
-# flight; from STATE_SCAN_WIDE_N_ROW_HEADS its blocks take 128 state columns rather than 64. On
-# the H200 (kernels/state_scan.py has the figures): 512 (row, head) pairs, 64 x 128 tiles, and
-# 64 or 128 pairs, 64 x 64 tiles, faster than chunk 256's two kernels (64 pairs walking 512
-# chunks each too: 1.37 against 1.54 ms a forward); 32 pairs lose (0.96 against 0.86 ms).
+# flight. On the H200 (kernels/state_scan.py has the figures) 64 to 512 pairs ran faster fused
+# than chunk 256's two kernels (64 pairs walking 512 chunks each too: 1.37 against 1.54 ms a
+# forward); 32 pairs lost (0.96 against 0.86 ms).
 STATE_SCAN_CHUNK_SIZE = 128
 STATE_SCAN_MIN_ROW_HEADS = 64
-STATE_SCAN_WIDE_N_ROW_HEADS = 256
+# The scan's tiles start from the table's (else STATE_SCAN_TILES) and halve their state columns,
+# down to 64, while fewer than STATE_SCAN_MIN_BLOCKS blocks would walk (``state_scan_tiles``):
+# larger tiles read x and B fewer times, and one block per SM (132 on the H200) is what 64 pairs
+# need. Measured there at 64 pairs: 64 x 64 tiles (128 blocks) 0.62 ms, 64 x 128 (64 blocks)
+# 1.06, the 256-block tilings 1.11-1.29; at 128 pairs 64 x 128 and 64 x 64 within 1%; at 512
+# pairs 64 x 128 0.315 against 0.340 (experiments/ab_fused_64pairs_e85c35f.txt,
+# ab_state_scan_436fba5.txt).
+STATE_SCAN_TILES = (64, 128)
+STATE_SCAN_MIN_BLOCKS = 128
 MAX_HEADDIM = 256
 MAX_DSTATE = 256
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -472,6 +479,17 @@ def _state_passing_tiles(key: ProblemKey, p_pad: int, n_pad: int,
     return p_block, n_block
 
 
+def state_scan_tiles(row_heads: int, p_pad: int, n_pad: int,
+                     start: tuple[int, int]) -> tuple[int, int]:
+    """The fused scan's tiles for ``row_heads`` (batch row, head) pairs: ``start`` within the
+    padded state, its state columns halved (not below 64) while fewer than STATE_SCAN_MIN_BLOCKS
+    blocks would walk the chunks."""
+    p_block, n_block = min(p_pad, start[0]), min(n_pad, start[1])
+    while n_block > 64 and row_heads * (p_pad // p_block) * (n_pad // n_block) < STATE_SCAN_MIN_BLOCKS:
+        n_block //= 2
+    return p_block, n_block
+
+
 def fuses_state_scan(key: ProblemKey, states_mode: str) -> bool:
     """Whether stage 2 runs as kernels/state_scan.py: at its chunk size, with enough (row, head)
     pairs, the increments summed in one 'input' MMA (a call that returns no states, bf16 x:
@@ -504,8 +522,9 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
     fused = fuses_state_scan(key, states_mode)
     tuned = tuned_entry(tuning_key(key, mode), sources)
     if fused and not tuned:
-        # No search at the scan's chunk size yet: compute_out takes chunk 256's tiles, as the
-        # H200 A/B timed them (0.364 ms at the first anchor; kernels/state_scan.py).
+        # A key not searched at the scan's chunk size (kernels/tune.py): compute_out takes chunk
+        # 256's tiles, as the H200 A/B first timed them (0.364 ms at the first anchor;
+        # kernels/state_scan.py).
         chunk_256 = tuning_key(replace(key, chunk_size=DEFAULT_CHUNK_SIZE), mode)
         tuned = {"compute_out": tuned_entry(chunk_256, sources).get("compute_out", {})}
     wide = key.needs_int64()
@@ -549,12 +568,15 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
     out = replace(out, **tuned.get("compute_out", {}))
     scan = None
     if fused:
-        wide_n = key.batch * key.nheads >= STATE_SCAN_WIDE_N_ROW_HEADS
+        scan_tiled = tuned.get("state_scan", {})
+        scan_p, scan_n = state_scan_tiles(key.batch * key.nheads, p_pad, n_pad, (
+            scan_tiled.get("p_block", STATE_SCAN_TILES[0]),
+            scan_tiled.get("n_block", STATE_SCAN_TILES[1])))
         scan = StateScanConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype,
                                start_dtype=key.start_dtype or f32, state_dtype=state_dtype,
-                               chunk_size=Q, p_block=p_block,
-                               n_block=min(n_pad, 128 if wide_n else 64), precision=states_mode,
-                               has_start=key.start_dtype is not None, wide=wide)
+                               chunk_size=Q, p_block=scan_p, n_block=scan_n,
+                               precision=states_mode, has_start=key.start_dtype is not None,
+                               wide=wide)
     return Plan(cumsum, chunk_state, passing, out, scan)
 
 

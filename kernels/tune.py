@@ -144,12 +144,26 @@ CANDIDATES = {
                       for (r, o), t in itertools.product(((64, 3), (64, 4), (128, 2)),
                                                          (False, True))],
 }
+# The fused state scan (kernels/state_scan.py; the plans of ssd.fuses_state_scan have it instead
+# of the two stages above): its tiles, those the dispatcher's shrinking keeps at the shape
+# (``fits``). No occupancy hints: at 2 and 4 the scan spilled and took 60-140 ms at the first
+# anchor (experiments/ab_state_scan_436fba5.txt).
+CANDIDATES["state_scan"] = [dict(p_block=p, n_block=n) for p, n in
+                            ((64, 128), (64, 64), (32, 128), (128, 64), (32, 64), (64, 32))]
 PROBED_CANDIDATES = 4
 # The kernels whose configs a stage's candidates change (compute_out's row block also sets the
 # shared scores' tiles).
 STAGE_KERNELS = {"chunk_state": ("chunk_state",), "state_passing": ("state_passing",),
-                 "compute_out": ("chunk_scores", "compute_out")}
-FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out"}
+                 "compute_out": ("chunk_scores", "compute_out"), "state_scan": ("state_scan",)}
+FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out",
+         "state_scan": "state_scan"}
+
+
+def plan_stages(plan: ssd.Plan) -> tuple:
+    """The searchable stages a plan runs, in the order they are searched."""
+    if plan.state_scan is not None:
+        return ("state_scan", "compute_out")
+    return ("chunk_state", "state_passing", "compute_out")
 # What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
 PRECISION_PROBES = {"chunk_state": ("3xtf32", "tf32", "input", "3xbf16", "3xfp16"),
                     "compute_out": ("tf32", "input", "2xbf16", "3xbf16", "2xfp16", "3xfp16")}
@@ -186,10 +200,15 @@ def shape_inputs(shape, seqlen=None, out_alone: bool = False) -> dict:
     return inputs
 
 
-def fits(cand: dict, shape, chunk_size: int) -> bool:
-    """A candidate's tiles divide the chunk and do not exceed the padded headdim and dstate."""
-    _, _, _, P, N, _, _ = shape
+def fits(cand: dict, shape, chunk_size: int, stage: str | None = None) -> bool:
+    """A candidate's tiles divide the chunk and do not exceed the padded headdim and dstate; the
+    fused scan's are also the tiles calls of the shape would run (``ssd.state_scan_tiles``
+    shrinks those that leave too few blocks)."""
+    b, _, H, P, N, _, _ = shape
     p_pad, n_pad = (max(ssd.MIN_TILE, next_pow2(v)) for v in (P, N))
+    if stage == "state_scan":
+        tiles = (cand["p_block"], cand["n_block"])
+        return tiles == ssd.state_scan_tiles(b * H, p_pad, n_pad, tiles)
     return (cand.get("row_block", 0) <= chunk_size and cand.get("p_block", 0) <= p_pad
             and cand.get("n_block", 0) <= n_pad)
 
@@ -289,7 +308,7 @@ def _search(shape, chunk_size, stage, pool, inputs, plan, dt, cumsum, states,
     per distinct machine code: a candidate that compiles to an earlier one's code (a knob that
     changes nothing at this shape) takes its time, with ``same_code_as`` naming it; one whose
     code could not be told is timed on its own, ``code_unknown`` saying why."""
-    cands = [c for c in CANDIDATES[stage] if fits(c, shape, chunk_size)]
+    cands = [c for c in CANDIDATES[stage] if fits(c, shape, chunk_size, stage)]
     major, minor = torch.cuda.get_device_capability()
     target = f"sm_{major}{minor}"
     codes = [None] * len(cands)
@@ -341,21 +360,16 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES),
     is the same, so a later run's winners serve both kinds of call."""
     inputs = shape_inputs(shape, out_alone=out_alone)
     base = _pipeline(inputs, chunk_size)
-    if base.plan.state_scan is not None:
-        # Its stage 2 is one kernel the searches below do not cover, and a probe of another
-        # precision mode would not take it (ssd.fuses_state_scan).
-        raise ValueError(f"tune: {shape} at chunk {chunk_size} runs the fused state scan "
-                         f"(kernels/state_scan.py), which the tuner does not search yet; tune "
-                         f"at chunk {ssd.DEFAULT_CHUNK_SIZE}")
     dt, cumsum = base.cumsum()
     states, _, _ = base.states(dt, cumsum)
+    runs = plan_stages(base.plan)
     record = dict(shape=dict(zip(("batch", "seqlen", "nheads", "headdim", "dstate", "ngroups",
                                   "dtype"), shape)),
                   chunk_size=chunk_size, out_alone=out_alone,
-                  dispatcher={s: asdict(getattr(base.plan, FIELD[s])) for s in CANDIDATES},
+                  dispatcher={s: asdict(getattr(base.plan, FIELD[s])) for s in runs},
                   stages={}, best={})
     plan = base.plan
-    for stage in CANDIDATES:
+    for stage in runs:
         if stage in stages:
             record["stages"][stage], best = _search(shape, chunk_size, stage, pool, inputs, plan,
                                                     dt, cumsum, states, out_alone)
@@ -369,7 +383,10 @@ def tune_shape(shape, pool, stages=tuple(CANDIDATES),
         plan = with_candidate(plan, stage, _tiles(stage, best))
         tasks = []
         searched = getattr(getattr(plan, FIELD[stage]), "precision", None)
-        for precision in PRECISION_PROBES.get(stage, ()):
+        # The fused scan runs in 'input' alone: in another mode the call takes the two state
+        # kernels (ssd.fuses_state_scan), which this plan's probe would not time.
+        probed = () if plan.state_scan is not None else PRECISION_PROBES.get(stage, ())
+        for precision in probed:
             if precision == searched or not _accepts(precision, shape[-1]):
                 continue
             tabled = _dispatched(inputs, chunk_size, stage, precision)
@@ -444,7 +461,7 @@ def table(records: list[dict], provenance: dict, command: str) -> dict:
         searched = r["key"]["precision"]
         key = record_key(r, searched)
         best = {s: _fastest(r.get("stages", {}).get(s, []), key["shared_scores"]) or r["best"][s]
-                for s in CANDIDATES}
+                for s in r["best"]}
         found = {searched: (best, dict(default_ms=round(r["default_ms"], 4),
                                        tuned_ms=round(r["tuned_ms"], 4)))}
         probed = r.get("precision_probes", {}).get("compute_out", [])
@@ -457,7 +474,7 @@ def table(records: list[dict], provenance: dict, command: str) -> dict:
             key = record_key(r, mode)
             name = json.dumps(key, sort_keys=True)
             entry = entries.setdefault(name, dict(key=key, measured=[]))
-            for s in CANDIDATES:
+            for s in winners:
                 by_search = mode == searched or s != "compute_out"   # not a mode's probe
                 if s in entry:
                     earlier_run, earlier_by_search = decided_by[name, s]
@@ -465,10 +482,9 @@ def table(records: list[dict], provenance: dict, command: str) -> dict:
                             and (by_search or not earlier_by_search)):
                         continue
                 entry[s], decided_by[name, s] = _tiles(s, winners[s]), (run, by_search)
-            entry["measured"].append(dict(shape=r["shape"], **times,
-                                          own_winners={s: winners[s] for s in CANDIDATES}))
-    ordered = [dict(key=e["key"], **{s: e[s] for s in CANDIDATES}, measured=e["measured"])
-               for e in entries.values()]
+            entry["measured"].append(dict(shape=r["shape"], **times, own_winners=winners))
+    ordered = [dict(key=e["key"], **{s: e[s] for s in CANDIDATES if s in e},
+                    measured=e["measured"]) for e in entries.values()]
     return dict(produced_by=command, tuned_by=provenance.get("command"), provenance=provenance,
                 entries=ordered)
 

@@ -93,9 +93,12 @@ COVERING_KEYS = (
      replace(_anchor(8, 4096, 64, 1, has_d=True, d_per_channel=True, z_dtype=bf16),
              states_returned=False), None, None),
     # chunk_size=None's pick for these out-alone calls: the fused state scan at chunk 128
-    # (kernels.ssd.fuses_state_scan), with 128 state columns a block from 256 (row, head) pairs.
+    # (kernels.ssd.fuses_state_scan), with 128 state columns a block where that leaves 128
+    # blocks or more, else 64 (one row of 64 heads; kernels.ssd.state_scan_tiles).
     ("anchor-b8-L4096-h64-q128-out-only-state-scan",
      replace(_anchor(8, 4096, 64, 1), chunk_size=128, states_returned=False), None, None),
+    ("anchor-b1-L65536-h64-q128-out-only-state-scan",
+     replace(_anchor(1, 65536, 64, 1), chunk_size=128, states_returned=False), None, None),
     ("anchor-b4-L8192-h32-g8-q128-out-only-state-scan",
      replace(_anchor(4, 8192, 32, 8), chunk_size=128, states_returned=False), None, None),
     ("anchor-b8-L4096-h64-q128-out-only-state-scan-start-d",

@@ -297,17 +297,17 @@ def test_out_alone_agrees_with_out_beside_its_states():
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("batch, initial_states, headdim, dstate",
-                         [(2, False, 64, 128), (4, True, 64, 128), (2, True, 48, 32)])
+@pytest.mark.parametrize("batch, initial_states, headdim, dstate, n_block",
+                         [(1, False, 64, 128, 64), (4, True, 64, 128, 128), (2, True, 48, 32, 32)])
 def test_state_scan_agrees_with_the_two_state_kernels_and_its_out_within_rule(
-        batch, initial_states, headdim, dstate):
+        batch, initial_states, headdim, dstate, n_block):
     """The fused state scan (kernels/state_scan.py), chunk_size=None's pick for calls with many
     (row, head) pairs that return out alone, over a partial last chunk: its chunk and final
     states agree with chunk_state and the state passing in the same 'input' mode to bf16
     roundings (the scan carries h in float32 between chunks, the two kernels add bf16
     increments), and the call's out passes the rule against float64 (check_problem judges
-    ssd_forward's out-alone path). 2 rows x 64 heads walk 64 x 64 tiles, 4 rows 64 x 128; headdim
-    48 and dstate 32 take tiles past the state's edges."""
+    ssd_forward's out-alone path). 1 row x 64 heads walks 64 x 64 tiles, 4 rows 64 x 128
+    (``ssd.state_scan_tiles``); headdim 48 and dstate 32 take tiles past the state's edges."""
     from dataclasses import replace
     from kernels.gpu_check import check_problem
     from kernels.ssd import default_chunk_size, stage_pipeline
@@ -318,7 +318,7 @@ def test_state_scan_agrees_with_the_two_state_kernels_and_its_out_within_rule(
     assert default_chunk_size(problem) == 128
     fused = stage_pipeline(problem, states_returned=False)
     assert fused.plan.state_scan is not None
-    assert fused.plan.state_scan.n_block == min(dstate, 128 if batch * 64 >= 256 else 64)
+    assert fused.plan.state_scan.n_block == n_block
     two_kernels = replace(fused, plan=replace(fused.plan, state_scan=None))
     dt, cumsum = fused.cumsum()
     for name, a, b in zip(("chunk_states", "final_states"), fused.states(dt, cumsum)[:2],

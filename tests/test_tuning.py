@@ -38,7 +38,12 @@ def test_every_entry_fits_the_kernels_it_configures():
         assert set(key) == {"headdim", "dstate", "chunk_size", "x_dtype", "precision",
                             "shared_scores"}
         assert key["headdim"] == next_pow2(key["headdim"]) and key["dstate"] == next_pow2(key["dstate"])
-        for stage in tune.CANDIDATES:
+        searched = [stage for stage in tune.CANDIDATES if stage in entry]
+        # The stages of one of the two plans: chunk_state and the state passing, or the fused
+        # scan (ssd.fuses_state_scan), either with compute_out.
+        assert "compute_out" in searched and ("state_scan" in searched or {
+            "chunk_state", "state_passing"} <= set(searched)), searched
+        for stage in searched:
             tiles = entry[stage]
             # Knobs the tuner gained after an entry was written hold their config default there.
             defaults = {"compute_out": dict(transposed=False, ordered_loads=False, latency=0,
@@ -62,12 +67,17 @@ def test_the_dispatcher_takes_the_table_entry_of_its_key(index):
     key = entry["key"]
     dtype = getattr(torch, key["x_dtype"])
     # 64 heads in 1 group share their scores, 64 groups of 1 do not.
+    # An out-alone call of 512 (row, head) pairs takes the fused scan where its key's entry has
+    # one (at its tiles: enough blocks that none shrink), else the two state kernels.
     problem = replace(anchor_key(), headdim=key["headdim"], dstate=key["dstate"],
                       chunk_size=key["chunk_size"], x_dtype=dtype, b_dtype=dtype, c_dtype=dtype,
-                      ngroups=1 if key["shared_scores"] else 64)
+                      ngroups=1 if key["shared_scores"] else 64,
+                      states_returned="state_scan" not in entry)
     plan = ssd.make_plan(problem, precision=key["precision"])
     assert plan.out.shared_scores == key["shared_scores"]
     for stage, field in tune.FIELD.items():
+        if stage not in entry:
+            continue
         config = getattr(plan, field)
         for name, value in entry[stage].items():
             if stage == "state_passing" and name != "occupancy":
@@ -90,13 +100,14 @@ def _meta_problem(key: ssd.ProblemKey, **changes):
     return replace(launch_problem(key), **dict(dict(return_final_states=False), **changes))
 
 
-@pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(8, 64, 1, 128), (4, 32, 8, 64),
-                                                             (2, 64, 1, 64), (1, 64, 1, 64)])
+@pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(8, 64, 1, 128), (4, 32, 8, 128),
+                                                             (2, 64, 1, 128), (1, 64, 1, 64)])
 def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_128(batch, nheads, ngroups,
                                                                          n_block):
     """chunk_size=None picks chunk 128 and the fused scan where 64 (row, head) pairs or more
-    walk their chunks, 128 state columns a block from 256 pairs; compute_out takes chunk 256's
-    table tiles there (no search at 128 yet)."""
+    walk their chunks, 128 state columns a block where that leaves 128 blocks or more
+    (``ssd.state_scan_tiles``); compute_out takes chunk 256's table tiles there (no search at
+    128 yet)."""
     key = replace(anchor_key(), batch=batch, nheads=nheads, ngroups=ngroups)
     assert ssd.default_chunk_size(_meta_problem(key)) == ssd.STATE_SCAN_CHUNK_SIZE == 128
     fused = replace(key, chunk_size=128, states_returned=False)
