@@ -7,7 +7,9 @@ tiles and occupancy hints, at given shapes, on the GPU.
 Per shape (``SHAPES``: the performance anchors, bf16, and the first in float32) it times, with
 CUDA-event medians on the same inputs: the states stage over every chunk_state candidate (state
 passing at the dispatcher's choice), then over every state_passing candidate with the best
-chunk_state, then compute_out over its candidates. Results and the dispatcher's own choice go to
+chunk_state, then compute_out over its candidates. Where the shape's plan runs the fused state
+scan instead (``--chunk-size 128 --out-alone`` at enough (row, head) pairs:
+``ssd.fuses_state_scan``) the states stage is searched over the scan's tiles, then compute_out. Results and the dispatcher's own choice go to
 DIR/tune.json; ``--write-table`` also writes the winners, keyed by what the dispatcher matches on
 (padded headdim and dstate, chunk size, x dtype, precision mode), to kernels/tuned.json with
 provenance. A mode probed in compute_out stores the chunk states as that mode does (bf16 in
@@ -462,8 +464,11 @@ def table(records: list[dict], provenance: dict, command: str) -> dict:
         key = record_key(r, searched)
         best = {s: _fastest(r.get("stages", {}).get(s, []), key["shared_scores"]) or r["best"][s]
                 for s in r["best"]}
-        found = {searched: (best, dict(default_ms=round(r["default_ms"], 4),
-                                       tuned_ms=round(r["tuned_ms"], 4)))}
+        times = dict(default_ms=round(r["default_ms"], 4), tuned_ms=round(r["tuned_ms"], 4))
+        if all(_tiles(s, r.get("dispatcher", {}).get(s, {})) == _tiles(s, best[s]) for s in best):
+            # The search kept the dispatcher's tiles: its two times are one plan timed twice.
+            times["dispatcher_kept"] = True
+        found = {searched: (best, times)}
         probed = r.get("precision_probes", {}).get("compute_out", [])
         for mode in dict.fromkeys(p["precision"] for p in probed):
             probe = _fastest([p for p in probed if p["precision"] == mode], key["shared_scores"])

@@ -57,7 +57,7 @@ def test_every_entry_fits_the_kernels_it_configures():
         first = entry["measured"][0]
         if first.get("probed"):       # a probed mode: compute_out timed at the searched tiles
             assert first["compute_out_ms"] > 0
-        else:
+        elif not first.get("dispatcher_kept"):
             assert first["tuned_ms"] < first["default_ms"]
 
 
@@ -100,14 +100,15 @@ def _meta_problem(key: ssd.ProblemKey, **changes):
     return replace(launch_problem(key), **dict(dict(return_final_states=False), **changes))
 
 
-@pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(8, 64, 1, 128), (4, 32, 8, 128),
+@pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(8, 64, 1, 128), (4, 32, 8, 64),
                                                              (2, 64, 1, 128), (1, 64, 1, 64)])
 def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_128(batch, nheads, ngroups,
                                                                          n_block):
     """chunk_size=None picks chunk 128 and the fused scan where 64 (row, head) pairs or more
-    walk their chunks, 128 state columns a block where that leaves 128 blocks or more
-    (``ssd.state_scan_tiles``); compute_out takes chunk 256's table tiles there (no search at
-    128 yet)."""
+    walk their chunks. The scan's tiles and compute_out's come from the key's chunk-128 table
+    entry (64 x 128 tiles where 64 heads share their scores, 64 x 64 where 32 heads in 8 groups do
+    not), the state columns halved where fewer than 128 blocks would walk
+    (``ssd.state_scan_tiles``)."""
     key = replace(anchor_key(), batch=batch, nheads=nheads, ngroups=ngroups)
     assert ssd.default_chunk_size(_meta_problem(key)) == ssd.STATE_SCAN_CHUNK_SIZE == 128
     fused = replace(key, chunk_size=128, states_returned=False)
@@ -115,9 +116,60 @@ def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_128(batch, 
     assert [name for name, _ in plan.named_configs()][:2] == ["chunk_cumsum", "state_scan"]
     assert (plan.state_scan.p_block, plan.state_scan.n_block) == (64, n_block)
     assert plan.state_scan.state_dtype == plan.out.state_dtype == bf16
-    tiles_256 = ssd.make_plan(replace(key, states_returned=False)).out
-    assert (plan.out.occupancy, plan.out.persistent) == (tiles_256.occupancy,
-                                                         tiles_256.persistent)
+    entry = ssd.TUNED[json.dumps(ssd.tuning_key(fused, DEFAULT), sort_keys=True)]
+    assert {k: getattr(plan.out, k) for k in entry["compute_out"]} == entry["compute_out"]
+
+
+def test_the_state_scan_halves_its_state_columns_until_enough_blocks_walk():
+    """From the start tiles, the state columns halve (not below 64) while fewer than 128 blocks
+    would walk: 64 pairs walk 64 x 64 tiles; headdim 128's two P blocks keep 128 columns."""
+    assert ssd.state_scan_tiles(512, 64, 128, (64, 128)) == (64, 128)
+    assert ssd.state_scan_tiles(128, 64, 128, (64, 128)) == (64, 128)
+    assert ssd.state_scan_tiles(64, 64, 128, (64, 128)) == (64, 64)
+    assert ssd.state_scan_tiles(64, 64, 256, (64, 256)) == (64, 128)
+    assert ssd.state_scan_tiles(64, 128, 128, (64, 128)) == (64, 128)
+    assert ssd.state_scan_tiles(64, 64, 64, (64, 64)) == (64, 64)
+    assert ssd.state_scan_tiles(64, 64, 32, (64, 128)) == (64, 32)     # dstate 32: its pad
+    # The tuner searches only the tiles a shape keeps.
+    anchor2 = (1, 65536, 64, 64, 128, 1, "bfloat16")
+    assert [(c["p_block"], c["n_block"]) for c in tune.CANDIDATES["state_scan"]
+            if tune.fits(c, anchor2, 128, "state_scan")] == [(64, 64), (32, 128), (32, 64),
+                                                             (64, 32)]
+
+
+def test_a_fused_key_without_a_chunk_128_entry_borrows_chunk_256s_compute_out_tiles():
+    """headdim 128 has no chunk-128 entry: compute_out takes its chunk-256 tiles, the scan its
+    default start tiles."""
+    key = replace(anchor_key(), headdim=128, chunk_size=128, states_returned=False)
+    assert json.dumps(ssd.tuning_key(key, DEFAULT), sort_keys=True) not in ssd.TUNED
+    plan = ssd.make_plan(key)
+    at_256 = ssd.make_plan(replace(key, chunk_size=256)).out
+    assert (plan.out.occupancy, plan.out.persistent, plan.out.p_block) == (
+        at_256.occupancy, at_256.persistent, at_256.p_block)
+    assert (plan.state_scan.p_block, plan.state_scan.n_block) == ssd.STATE_SCAN_TILES
+
+
+def test_a_fused_record_makes_an_entry_of_the_scan_and_compute_out(tmp_path, monkeypatch):
+    """A tune.json record of a fused key (no chunk_state or state passing searched) becomes an
+    entry with state_scan and compute_out tiles, and the dispatcher takes them (here from the
+    tuning cache)."""
+    best = {"state_scan": dict(p_block=32, n_block=128, ms=1.0),
+            "compute_out": dict(row_block=64, p_block=64, occupancy=4, ms=1.0)}
+    fused = replace(anchor_key(), chunk_size=128, states_returned=False)
+    record = dict(shape=anchor_shape(8), chunk_size=128, key=ssd.tuning_key(fused, DEFAULT),
+                  best=best, default_ms=3.0, tuned_ms=2.0,
+                  dispatcher={"state_scan": dict(p_block=64, n_block=128)})
+    document = tune.table([record], dict(device="NVIDIA H200"), "python3 -m kernels.tune")
+    (entry,) = document["entries"]
+    assert set(entry) == {"key", "state_scan", "compute_out", "measured"}
+    assert entry["state_scan"] == dict(p_block=32, n_block=128)
+    assert not entry["measured"][0].get("dispatcher_kept")
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv(ssd.TUNING_CACHE_ENV, str(path))
+    monkeypatch.setattr(ssd, "current_device", lambda: "NVIDIA H200")
+    tune.write_cache(document, str(path))
+    plan = ssd.make_plan(fused)
+    assert (plan.state_scan.p_block, plan.state_scan.n_block, plan.out.occupancy) == (32, 128, 4)
 
 
 @pytest.mark.parametrize("change", ["long_single_row", "final_states", "seq_idx", "fp32",
