@@ -37,6 +37,11 @@ Where batch x seqlen x heads exceeds ``ERROR_MAX_ROW_HEADS``, on a leading slice
 ``--check BASELINE``: measures (or reads ``--results``), then fails, naming the shape, where ours /
 reference time ratio grew by more than ``--margin`` over the baseline's. Reference: mamba_ssm
 measured in the same run, else fla_e2e, else the copy-bandwidth bound; never absolute times.
+
+``--results`` given several times reads several runs as one (``median_of_runs``): each shape's
+record is the run's whose ours/reference ratio is that shape's median, so no one run's host
+stalls set a baseline's row (the small rows are host-bound: a peer's call took twice its usual
+time over a stretch of one H200 run, reports/h200/experiments/bench_check_3fc8df0.txt).
 """
 from __future__ import annotations
 
@@ -710,9 +715,14 @@ def format_table(doc: dict) -> str:
              f"{doc['timing']['method']}",
              "t/t_ours: a peer's time over ours (> 1: ours is faster); a stage's share of ours. "
              "Errors vs float64."]
+    if "runs" in doc:
+        lines.append(f"{len(doc['runs'])} runs: each shape from the run of its median ours/"
+                     f"reference ratio (run numbers from 0, as listed in the JSON's 'runs')")
     for record in doc["shapes"]:
         cut = record["error_slice"]
         where = "" if cut["whole"] else f"; errors on batch[:{cut['batch']}] heads[:{cut['heads']}]"
+        if "from_run" in record:
+            where += f"; run {record['from_run']}"
         lines.append("")
         lines.append(f"{record['label']}  ({record['io_bytes'] / 1e6:.0f} MB in+out, copy bound "
                      f"{record['copy_bound_ms']:.3f} ms{where})")
@@ -890,6 +900,42 @@ def time_ratios(record: dict) -> dict:
     return ratios
 
 
+def median_of_runs(docs: list[dict]) -> dict:
+    """One document from several runs: for each shape (in first-run order), the record of the
+    run whose ours/reference time ratio is that shape's median (the upper of the two middle ones
+    for an even count; the reference is the first of CHECK_REFERENCES every record has), marked
+    ``from_run``. The runs must agree on how ours picked its chunk size. Provenance is the first
+    run's; ``runs`` lists every run's provenance and copy probe."""
+    if len(docs) == 1:
+        return docs[0]
+    picks = {json.dumps(doc.get("our_chunk_size")) for doc in docs}
+    if len(picks) > 1:
+        raise SystemExit(f"bench: --results: the runs differ in --chunk-size ({', '.join(picks)}): "
+                         f"their ratios are not one configuration's")
+    records: dict[str, list] = {}
+    for index, doc in enumerate(docs):
+        for record in doc["shapes"]:
+            records.setdefault(record["label"], []).append((index, record))
+    shapes = []
+    for label, found in records.items():
+        timed = [(i, r) for i, r in found if time_ratios(r)]
+        if not timed:
+            index, record = found[0]
+        else:
+            common = [n for n in CHECK_REFERENCES if all(n in time_ratios(r) for _, r in timed)]
+            timed.sort(key=lambda item: time_ratios(item[1])[common[0]])
+            index, record = timed[len(timed) // 2]
+        shapes.append(dict(record, from_run=index))
+    measured = set(records)
+    merged = dict(docs[0], shapes=shapes,
+                  not_run=sorted({label for doc in docs for label in doc.get("not_run", [])}
+                                 - measured),
+                  runs=[dict(provenance=doc.get("provenance"), copy_probe=doc.get("copy_probe"),
+                             shapes=len(doc["shapes"])) for doc in docs])
+    merged.pop("wall_s", None)
+    return merged
+
+
 def chunk_size_given(doc: dict) -> bool:
     """Whether ours ran at a --chunk-size given to the bench, rather than at the one ssd_forward
     picks per call (``our_chunk_size``; a run from before that field had one given when its
@@ -968,10 +1014,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "ratio is worse than the baseline's by more than --margin")
     parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                         help="allowed growth of the time ratio over the baseline's (default 0.15)")
-    parser.add_argument("--results", type=Path, default=None,
+    parser.add_argument("--results", type=Path, action="append", default=None,
                         help="read this bench.json instead of measuring: print its table (with "
                              "--out, also write its table and plot there); with --check, compare "
-                             "it")
+                             "it. Repeated: the runs as one, each shape's record the run's with "
+                             "the median ours/reference ratio (a baseline from several runs)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no new shape after this many seconds (the rest is listed as "
                              "not run)")
@@ -992,7 +1039,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         baseline = None if args.check is None else _load(args.check, "baseline")
         if args.results is not None:
-            doc = _load(args.results, "results")
+            doc = median_of_runs([_load(path, "results") for path in args.results])
             if args.out is not None:
                 for path in write_outputs(doc, Path(args.out)):
                     print(f"wrote {path}", file=sys.stderr)

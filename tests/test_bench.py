@@ -348,20 +348,20 @@ def test_cli_check_exit_status_names_the_shape(tmp_path, capsys):
                                         _record(LABEL_B, 1.5, {"mamba_ssm": 2.5}))))
     current.write_text(json.dumps(_doc(_record(LABEL_A, 0.5, {"mamba_ssm": 1.0}),
                                        _record(LABEL_B, 2.0, {"mamba_ssm": 2.5}))))
-    assert bench.main(_args(check=baseline, results=current)) == 1
+    assert bench.main(_args(check=baseline, results=[current])) == 1
     captured = capsys.readouterr()
     assert "bench --check FAILED" in captured.err and LABEL_B in captured.err
     assert LABEL_A not in captured.err
-    assert bench.main(_args(check=baseline, results=baseline)) == 0
+    assert bench.main(_args(check=baseline, results=[baseline])) == 0
     assert "bench --check passed" in capsys.readouterr().out
 
 
 def test_cli_refuses_bad_files_and_a_missing_gpu(tmp_path, capsys):
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({"schema": "something else"}))
-    assert bench.main(_args(results=wrong)) == 2
+    assert bench.main(_args(results=[wrong])) == 2
     assert "expected schema" in capsys.readouterr().err
-    assert bench.main(_args(results=tmp_path / "missing.json")) == 2
+    assert bench.main(_args(results=[tmp_path / "missing.json"])) == 2
     if not torch.cuda.is_available():
         assert bench.main(_args()) == 2
         assert "needs a CUDA device" in capsys.readouterr().err
@@ -385,7 +385,7 @@ def test_only_selects_shapes_by_label_text(capsys):
 def test_cli_reports_a_failure_of_ours(tmp_path, capsys):
     results = tmp_path / "bench.json"
     results.write_text(json.dumps(_doc(_record(LABEL_A, None, {"mamba_ssm": 1.0}))))
-    assert bench.main(_args(results=results)) == 1
+    assert bench.main(_args(results=[results])) == 1
     assert f"{LABEL_A}: ours: RuntimeError: boom" in capsys.readouterr().err
 
 
@@ -435,7 +435,7 @@ def test_outputs_written_from_results(tmp_path):
     record = _record(LABEL_A, 0.5, {"mamba_ssm": 1.0}, tags=("scaling",))
     results.write_text(json.dumps(_doc(record)))
     out = tmp_path / "out"
-    assert bench.main(_args(results=results, out=out)) == 0
+    assert bench.main(_args(results=[results], out=out)) == 0
     assert json.loads((out / "bench.json").read_text())["shapes"][0]["label"] == LABEL_A
     assert LABEL_A in (out / "bench.txt").read_text()
     assert (out / "bench_scaling.png").exists() and (out / "bench_shapes.png").exists()
@@ -617,3 +617,36 @@ def test_a_failing_shape_loses_neither_the_others_nor_the_saved_results(monkeypa
     assert bench.our_failures(doc) == [f"{big.label}: all rows: MemoryError: out of memory "
                                        f"building the inputs"]
     assert f"FAILED {big.label}" in bench.format_table(doc)
+
+
+def test_several_results_make_one_run_of_each_shapes_median_record(tmp_path, capsys):
+    """Three runs, one with a peer's host stall on shape A and one slower run of ours on B: each
+    shape keeps the record of its median ours/mamba_ssm ratio, with the run it came from; a shape
+    measured in one run alone keeps that run's record."""
+    runs = [_doc(_record(LABEL_A, 0.5, {"mamba_ssm": 1.0}), _record(LABEL_B, 1.5, {"mamba_ssm": 2.5})),
+            _doc(_record(LABEL_A, 0.5, {"mamba_ssm": 2.0}), _record(LABEL_B, 2.0, {"mamba_ssm": 2.5})),
+            _doc(_record(LABEL_A, 0.6, {"mamba_ssm": 1.0}))]
+    merged = bench.median_of_runs(runs)
+    assert [(r["label"], r["from_run"]) for r in merged["shapes"]] == [(LABEL_A, 0), (LABEL_B, 1)]
+    assert [r["rows"]["ours"]["ms"] for r in merged["shapes"]] == [0.5, 2.0]
+    assert len(merged["runs"]) == 3 and merged["provenance"] == runs[0]["provenance"]
+    # Through the command line: the merged run is what --check compares and --out writes.
+    paths = []
+    for i, doc in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    assert bench.main(_args(results=paths, out=tmp_path / "merged")) == 0
+    written = json.loads((tmp_path / "merged" / "bench.json").read_text())
+    assert [r["from_run"] for r in written["shapes"]] == [0, 1]
+    assert bench.main(_args(check=tmp_path / "merged" / "bench.json", results=[paths[0]])) == 0
+    capsys.readouterr()
+
+
+def test_runs_at_different_chunk_picks_do_not_merge(tmp_path, capsys):
+    runs = [dict(_doc(_record(LABEL_A, 0.5, {"mamba_ssm": 1.0})), our_chunk_size=None),
+            dict(_doc(_record(LABEL_A, 0.5, {"mamba_ssm": 1.0})), our_chunk_size=256)]
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, doc in zip(paths, runs):
+        path.write_text(json.dumps(doc))
+    assert bench.main(_args(results=paths)) == 2
+    assert "--chunk-size" in capsys.readouterr().err
