@@ -485,7 +485,8 @@ def state_scan_tiles(row_heads: int, p_pad: int, n_pad: int,
     padded state, its state columns halved (not below 64) while fewer than STATE_SCAN_MIN_BLOCKS
     blocks would walk the chunks."""
     p_block, n_block = min(p_pad, start[0]), min(n_pad, start[1])
-    while n_block > 64 and row_heads * (p_pad // p_block) * (n_pad // n_block) < STATE_SCAN_MIN_BLOCKS:
+    while (n_block > 64
+           and row_heads * (p_pad // p_block) * (n_pad // n_block) < STATE_SCAN_MIN_BLOCKS):
         n_block //= 2
     return p_block, n_block
 

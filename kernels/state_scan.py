@@ -17,8 +17,9 @@ last position, and x is read as zero past L: the last, partial chunk needs no ma
 increments never reach memory, the stage's traffic is x read once and the states written once,
 but the chunks of a row are no longer parallel: kernels/fwd_pass_state.py (chunk-parallel
 increments, then a walk that adds them) keeps the calls with fewer than 64 (row, head) pairs,
-where this kernel's few blocks would walk too many chunks each. No sequence index, per-sequence initial states or
-varlen states (the dispatcher, ``kernels.ssd.fuses_state_scan``, sends those there too).
+where this kernel's few blocks would walk too many chunks each. No sequence index, per-sequence
+initial states or varlen states (the dispatcher, ``kernels.ssd.fuses_state_scan``, sends those
+there too).
 
 Measured on the H200 in one process against the forward at chunk 256 (bf16, out alone,
 reports/h200/experiments/ab_state_scan_436fba5.txt): at chunk 128 this stage took 0.315 ms at

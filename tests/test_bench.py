@@ -231,14 +231,15 @@ LABEL_B = "b1 L65536 H64 P64 N128 G1 bf16"
 
 
 def _record(label, ours_ms, peers, chunk_size=128, nbytes=562_036_992, copy_gbps=4000.0,
-            seqlen=4096, batch=8, tags=("anchor",)):
+            seqlen=4096, batch=8, tags=("anchor",), kernels_ms=None):
     flops = 10 ** 12
     rows = {}
     if ours_ms is not None:
         rows["ours"] = dict(chunk_size=chunk_size, ms=ours_ms, ms_min=ours_ms, ms_p90=ours_ms,
                             reps=10, flops=flops, error=dict(max_abs=1e-2, normwise_rel=2e-3),
                             **bench.derive_row(ours_ms, nbytes, flops, copy_gbps))
-        rows["ours.compute_out"] = dict(chunk_size=chunk_size, ms=ours_ms / 2, reps=10)
+        rows["ours.compute_out"] = dict(chunk_size=chunk_size, ms=kernels_ms or ours_ms / 2,
+                                        reps=10)
     else:
         rows["ours"] = dict(chunk_size=chunk_size, failed="RuntimeError: boom")
     for name, ms in peers.items():
@@ -266,42 +267,51 @@ def _pair(ours_a, mamba_a, ours_b, mamba_b):
                 _record(LABEL_B, ours_b, {"mamba_ssm": mamba_b}))
 
 
-def test_speedup_and_ratios():
+def test_speedup_and_judged_ratio():
     record = _record(LABEL_A, 0.5, {"mamba_ssm": 1.0, "fla_e2e": 2.0})
     assert record["speedup"] == {"mamba_ssm": 2.0, "fla_e2e": 4.0}
-    ratios = bench.time_ratios(record)
-    assert ratios["mamba_ssm"] == 0.5 and ratios["fla_e2e"] == 0.25
-    assert ratios["copy_bound"] == pytest.approx(0.5 / record["copy_bound_ms"])
-    assert bench.time_ratios(_record(LABEL_A, None, {"mamba_ssm": 1.0})) == {}
+    # ours' kernels: its stage rows summed (here compute_out alone, 0.25 ms), over the copy bound.
+    assert bench.kernel_ms(record) == 0.25
+    assert bench.judged_ratio(record) == pytest.approx(0.25 / record["copy_bound_ms"])
+    del record["rows"]["ours.compute_out"]
+    assert bench.kernel_ms(record) == 0.5          # no stage rows: the call
+    assert bench.judged_ratio(_record(LABEL_A, None, {"mamba_ssm": 1.0})) is None
 
 
-def test_check_passes_within_the_margin_and_ignores_absolute_times():
+def test_check_passes_within_the_margin_and_ignores_absolute_times_and_peers():
     baseline = _pair(0.5, 1.0, 1.5, 2.5)
-    # Everything twice as slow (another clock, another GPU) with the same ratios: no regression.
-    slower = _pair(1.0, 2.0, 3.0, 5.0)
+    # Everything twice as slow on a GPU of half the copy bandwidth: the same ratios.
+    slower = _doc(_record(LABEL_A, 1.0, {"mamba_ssm": 2.0}, copy_gbps=2000.0),
+                  _record(LABEL_B, 3.0, {"mamba_ssm": 5.0}, copy_gbps=2000.0), copy_gbps=2000.0)
     failures, lines = bench.check_regressions(slower, baseline, 0.15)
-    assert failures == [] and len(lines) == 2 and all("ours/mamba_ssm" in line for line in lines)
+    assert failures == [] and len(lines) == 2 and all("ours' kernels" in line for line in lines)
     within = _pair(0.57, 1.0, 1.5, 2.5)
     assert bench.check_regressions(within, baseline, 0.15)[0] == []
+    # mamba_ssm three times faster (another autotuned config): its ratio is printed, not judged.
+    failures, lines = bench.check_regressions(_pair(0.5, 0.33, 1.5, 2.5), baseline, 0.15)
+    assert failures == [] and "ours/mamba_ssm calls 1.52, baseline 0.50 (not judged)" in lines[0]
 
 
-def test_check_fails_naming_the_shape_that_regressed():
+def test_check_fails_naming_the_shape_whose_kernels_regressed():
     baseline = _pair(0.5, 1.0, 1.5, 2.5)
-    # Ours got faster in absolute terms on B, but mamba_ssm got faster still: the ratio regressed.
-    current = _pair(0.5, 1.0, 1.2, 1.6)
+    current = _pair(0.5, 1.0, 1.8, 2.5)         # B's kernels 0.75 -> 0.90 ms: +20%
     failures, _ = bench.check_regressions(current, baseline, 0.15)
-    assert len(failures) == 1
-    assert failures[0].startswith(LABEL_B + ": ours/mamba_ssm time ratio 0.750")
+    assert len(failures) == 1 and failures[0].startswith(LABEL_B + ": ours' kernels 0.900 ms")
 
 
-def test_check_falls_back_to_fla_then_to_the_copy_bound():
-    baseline = _doc(_record(LABEL_A, 0.5, {"fla_e2e": 1.0}), _record(LABEL_B, 1.5, {}))
-    current = _doc(_record(LABEL_A, 0.5, {"mamba_ssm": 0.1, "fla_e2e": 1.0}),
-                   _record(LABEL_B, 1.8, {"mamba_ssm": 9.0}))
-    failures, lines = bench.check_regressions(current, baseline, 0.15)
-    assert "ours/fla_e2e" in lines[0]
-    # B: no peer in the baseline; 1.8 ms vs 1.5 at the same copy bandwidth is a 20% regression.
-    assert len(failures) == 1 and failures[0].startswith(LABEL_B + ": ours/copy_bound")
+def test_check_judges_kernels_not_a_host_bound_call_nor_launch_bound_kernels():
+    """A call three times slower with its kernels unchanged passes (the host's time is not
+    judged); kernels under KERNEL_FLOOR_MS are reported, not judged, and comparing nothing else
+    fails the check."""
+    baseline = _doc(_record(LABEL_A, 0.5, {"mamba_ssm": 1.0}, kernels_ms=0.3))
+    host_bound = _doc(_record(LABEL_A, 1.5, {"mamba_ssm": 1.0}, kernels_ms=0.3))
+    assert bench.check_regressions(host_bound, baseline, 0.15)[0] == []
+    tiny = _doc(_record(LABEL_A, 0.2, {"mamba_ssm": 1.0}, kernels_ms=0.05))
+    failures, lines = bench.check_regressions(
+        _doc(_record(LABEL_A, 0.2, {"mamba_ssm": 1.0}, kernels_ms=0.09)), tiny, 0.15)
+    assert lines[0].startswith(f"{LABEL_A}: not judged: ours' kernels took 0.090 ms (baseline "
+                               f"0.050), under {bench.KERNEL_FLOOR_MS} ms")
+    assert len(failures) == 1 and failures[0].startswith("no shape of the baseline was compared")
 
 
 def test_check_fails_when_ours_did_not_run_or_nothing_compares():
@@ -326,7 +336,7 @@ def test_check_compares_runs_at_ssd_forwards_own_chunk_picks():
                   our_chunk_size=None)
     failures, lines = bench.check_regressions(picked, baseline, 0.15)
     assert "chunk 256 -> 128" in lines[0] and "REGRESSED" in lines[0]
-    assert failures and failures[0].startswith(f"{LABEL_A}: ours/mamba_ssm time ratio 0.620")
+    assert failures and failures[0].startswith(f"{LABEL_A}: ours' kernels 0.310 ms")
     baseline["provenance"] = dict(command="properties bench --chunk-size 256")
     del baseline["our_chunk_size"]
     failures, _ = bench.check_regressions(picked, baseline)
@@ -620,15 +630,17 @@ def test_a_failing_shape_loses_neither_the_others_nor_the_saved_results(monkeypa
 
 
 def test_several_results_make_one_run_of_each_shapes_median_record(tmp_path, capsys):
-    """Three runs, one with a peer's host stall on shape A and one slower run of ours on B: each
-    shape keeps the record of its median ours/mamba_ssm ratio, with the run it came from; a shape
-    measured in one run alone keeps that run's record."""
-    runs = [_doc(_record(LABEL_A, 0.5, {"mamba_ssm": 1.0}), _record(LABEL_B, 1.5, {"mamba_ssm": 2.5})),
-            _doc(_record(LABEL_A, 0.5, {"mamba_ssm": 2.0}), _record(LABEL_B, 2.0, {"mamba_ssm": 2.5})),
-            _doc(_record(LABEL_A, 0.6, {"mamba_ssm": 1.0}))]
+    """Three runs of A, two of B: each shape keeps the record of its median judged ratio (the
+    upper middle of two), with the run it came from."""
+    def shape(label, ours_ms):
+        return _record(label, ours_ms, {"mamba_ssm": 1.0})
+
+    runs = [_doc(shape(LABEL_A, 0.5), shape(LABEL_B, 1.5)),
+            _doc(shape(LABEL_A, 0.7), shape(LABEL_B, 2.0)),
+            _doc(shape(LABEL_A, 0.55))]
     merged = bench.median_of_runs(runs)
-    assert [(r["label"], r["from_run"]) for r in merged["shapes"]] == [(LABEL_A, 0), (LABEL_B, 1)]
-    assert [r["rows"]["ours"]["ms"] for r in merged["shapes"]] == [0.5, 2.0]
+    assert [(r["label"], r["from_run"]) for r in merged["shapes"]] == [(LABEL_A, 2), (LABEL_B, 1)]
+    assert [r["rows"]["ours"]["ms"] for r in merged["shapes"]] == [0.55, 2.0]
     assert len(merged["runs"]) == 3 and merged["provenance"] == runs[0]["provenance"]
     # Through the command line: the merged run is what --check compares and --out writes.
     paths = []
@@ -637,7 +649,7 @@ def test_several_results_make_one_run_of_each_shapes_median_record(tmp_path, cap
         paths[-1].write_text(json.dumps(doc))
     assert bench.main(_args(results=paths, out=tmp_path / "merged")) == 0
     written = json.loads((tmp_path / "merged" / "bench.json").read_text())
-    assert [r["from_run"] for r in written["shapes"]] == [0, 1]
+    assert [r["from_run"] for r in written["shapes"]] == [2, 1]
     assert bench.main(_args(check=tmp_path / "merged" / "bench.json", results=[paths[0]])) == 0
     capsys.readouterr()
 
