@@ -12,9 +12,10 @@ scan instead (``--chunk-size 128 --out-alone`` at enough (row, head) pairs:
 ``ssd.fuses_state_scan``) the states stage is searched over the scan's tiles, then compute_out.
 Results and the dispatcher's own choice go to DIR/tune.json; ``--write-table`` also writes the
 winners, keyed by what the dispatcher matches on (padded headdim and dstate, chunk size, x
-dtype, precision mode), to kernels/tuned.json with provenance. A mode probed in compute_out stores the chunk states as that mode does (bf16 in
-'input', float32 otherwise: ``kernels.ssd.resolve_state_dtype``); ``--chunk-size`` tunes another
-chunk size (a key of its own). Candidates only change tiles and hints, never what is computed;
+dtype, precision mode), to kernels/tuned.json with provenance. A mode probed in compute_out
+stores the chunk states as that mode does (bf16 in 'input', float32 otherwise:
+``kernels.ssd.resolve_state_dtype``); ``--chunk-size`` tunes another chunk size (a key of its
+own). Candidates only change tiles and hints, never what is computed;
 the accuracy grid (kernels/gpu_report.py) is run on the tuned table before it is committed.
 Candidates compile in ``--jobs`` worker processes first (cuTile's disk cache then serves this
 process). Before that each candidate's stage kernels are compiled on the CPU at the
