@@ -15,8 +15,9 @@ winners, keyed by what the dispatcher matches on (padded headdim and dstate, chu
 dtype, precision mode), to kernels/tuned.json with provenance. A mode probed in compute_out
 stores the chunk states as that mode does (bf16 in 'input', float32 otherwise:
 ``kernels.ssd.resolve_state_dtype``); ``--chunk-size`` tunes another chunk size (a key of its
-own). Candidates only change tiles and hints, never what is computed;
-the accuracy grid (kernels/gpu_report.py) is run on the tuned table before it is committed.
+own). Candidates only change tiles and hints, never what is computed; the GPU tests and the
+accuracy grid (kernels/gpu_report.py) check the kernels at the table's tiles (the grid's last
+run predates the chunk-128 entries: the README's Status says what ran on which commit).
 Candidates compile in ``--jobs`` worker processes first (cuTile's disk cache then serves this
 process). Before that each candidate's stage kernels are compiled on the CPU at the
 specializations its launches take (``kernels.variants.launch_signatures``): candidates whose
@@ -160,6 +161,9 @@ STAGE_KERNELS = {"chunk_state": ("chunk_state",), "state_passing": ("state_passi
                  "compute_out": ("chunk_scores", "compute_out"), "state_scan": ("state_scan",)}
 FIELD = {"chunk_state": "chunk_state", "state_passing": "state_passing", "compute_out": "out",
          "state_scan": "state_scan"}
+# What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
+PRECISION_PROBES = {"chunk_state": ("3xtf32", "tf32", "input", "3xbf16", "3xfp16"),
+                    "compute_out": ("tf32", "input", "2xbf16", "3xbf16", "2xfp16", "3xfp16")}
 
 
 def plan_stages(plan: ssd.Plan) -> tuple:
@@ -167,9 +171,6 @@ def plan_stages(plan: ssd.Plan) -> tuple:
     if plan.state_scan is not None:
         return ("state_scan", "compute_out")
     return ("chunk_state", "state_passing", "compute_out")
-# What the matmul precision of each kernel costs at the tuned tiles (recorded, not chosen).
-PRECISION_PROBES = {"chunk_state": ("3xtf32", "tf32", "input", "3xbf16", "3xfp16"),
-                    "compute_out": ("tf32", "input", "2xbf16", "3xbf16", "2xfp16", "3xfp16")}
 
 
 def parse_shape(text: str) -> tuple:

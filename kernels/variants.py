@@ -93,8 +93,9 @@ COVERING_KEYS = (
      replace(_anchor(8, 4096, 64, 1, has_d=True, d_per_channel=True, z_dtype=bf16),
              states_returned=False), None, None),
     # chunk_size=None's pick for these out-alone calls: the fused state scan at chunk 128
-    # (kernels.ssd.fuses_state_scan), with 128 state columns a block where that leaves 128
-    # blocks or more, else 64 (one row of 64 heads; kernels.ssd.state_scan_tiles).
+    # (kernels.ssd.fuses_state_scan), at the table's tiles (64 x 128 where 64 heads share their
+    # scores, 64 x 64 for 32 heads in 8 groups), halved to 64 x 64 for one row of 64 heads
+    # (kernels.ssd.state_scan_tiles).
     ("anchor-b8-L4096-h64-q128-out-only-state-scan",
      replace(_anchor(8, 4096, 64, 1), chunk_size=128, states_returned=False), None, None),
     ("anchor-b1-L65536-h64-q128-out-only-state-scan",

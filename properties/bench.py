@@ -37,8 +37,8 @@ Where batch x seqlen x heads exceeds ``ERROR_MAX_ROW_HEADS``, on a leading slice
 ``--check BASELINE``: measures (or reads ``--results``), then fails, naming the shape, where ours'
 kernel time (its stage rows summed) over the copy bound of the same run grew by more than
 ``--margin`` over the baseline's; never absolute times. Shapes whose kernels take under
-``KERNEL_FLOOR_MS`` are reported, not judged; ours/mamba_ssm call ratios are printed beside
-(``check_regressions`` says why the calls are not what is judged).
+``KERNEL_FLOOR_MS`` are reported, not judged; ours/mamba_ssm call ratios are printed beside (the
+comment at ``KERNEL_FLOOR_MS`` says why the calls are not what is judged).
 
 ``--results`` given several times reads several runs as one (``median_of_runs``): each shape's
 record is the run's whose judged ratio is that shape's median.
@@ -722,8 +722,8 @@ def format_table(doc: dict) -> str:
              "t/t_ours: a peer's time over ours (> 1: ours is faster); a stage's share of ours. "
              "Errors vs float64."]
     if "runs" in doc:
-        lines.append(f"{len(doc['runs'])} runs: each shape from the run of its median ours/"
-                     f"reference ratio (run numbers from 0, as listed in the JSON's 'runs')")
+        lines.append(f"{len(doc['runs'])} runs: each shape from the run of its median kernel "
+                     f"time over the copy bound (run numbers from 0, as in the JSON's 'runs')")
     for record in doc["shapes"]:
         cut = record["error_slice"]
         where = "" if cut["whole"] else f"; errors on batch[:{cut['batch']}] heads[:{cut['heads']}]"
@@ -896,11 +896,9 @@ def write_outputs(doc: dict, out_dir: Path) -> list[Path]:
 # ---------------------------------------------------------------- --check
 
 def kernel_ms(record: dict) -> Optional[float]:
-    """ours' kernel time: its stage rows summed; its call's time where it has none (None when
-    ours did not run)."""
-    stages = [row["ms"] for name, row in record["rows"].items()
-              if name.startswith(OURS + ".") and row.get("ms") is not None]
-    return sum(stages) if stages else record["rows"].get(OURS, {}).get("ms")
+    """ours' kernel time: its stage rows summed (None unless every one of STAGES has a time)."""
+    times = [record["rows"].get(f"{OURS}.{stage}", {}).get("ms") for stage in STAGES]
+    return None if None in times else sum(times)
 
 
 def judged_ratio(record: dict) -> Optional[float]:
@@ -963,13 +961,14 @@ def check_regressions(current: dict, baseline: dict, margin: float = DEFAULT_MAR
         then = judged_ratio(base)
         if label not in measured or then is None:
             why = "not measured in this run" if label not in measured else \
-                "no time of ours in the baseline"
+                "no kernel time of ours in the baseline"
             lines.append(f"{label}: not compared ({why})")
             continue
         record = measured[label]
         now = judged_ratio(record)
         if now is None:
-            why = record["rows"].get(OURS, {}).get("failed", "no row")
+            why = next((f"{name}: {row['failed']}" for name, row in record["rows"].items()
+                        if name.startswith(OURS) and "failed" in row), "no row")
             failures.append(f"{label}: ours did not run ({why})")
             continue
         base_q = base["rows"][OURS].get("chunk_size")
