@@ -915,10 +915,11 @@ def median_of_runs(docs: list[dict]) -> dict:
     probe."""
     if len(docs) == 1:
         return docs[0]
-    picks = {json.dumps(doc.get("our_chunk_size")) for doc in docs}
+    picks = {doc.get("our_chunk_size") for doc in docs}
     if len(picks) > 1:
-        raise SystemExit(f"bench: --results: the runs differ in --chunk-size ({', '.join(picks)}): "
-                         f"their ratios are not one configuration's")
+        raise SystemExit(f"bench: --results: the runs differ in --chunk-size "
+                         f"({', '.join(map(str, picks))}): their ratios are not one "
+                         f"configuration's")
     records: dict[str, list] = {}
     for index, doc in enumerate(docs):
         for record in doc["shapes"]:
