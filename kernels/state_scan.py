@@ -45,7 +45,7 @@ import torch
 
 from kernels.fwd_pass_state import weights_ride_on_x
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants,
-                              kernel_signature, load_log2_cumsum, load_transposed,
+                              kernel_signature, load_transposed,
                               log2_decay_between, placeholder, precise_mma, scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
@@ -55,7 +55,7 @@ def state_scan_kernel(x, B, dt, log2_decay_cumsum, start_states, chunk_states, f
                       nchunks, nheads, heads_per_group, n_p_blocks, n_n_blocks,
                       CHUNK: ct.Constant[int], P_BLOCK: ct.Constant[int],
                       N_BLOCK: ct.Constant[int], MODE: ct.Constant[int],
-                      HAS_START: ct.Constant[bool]):
+                      HAS_START: ct.Constant[bool], STEP: ct.Constant[int]):
     # N blocks vary fastest: the blocks of one (row, head) read the same x tiles together.
     pid = ct.bid(0)
     n_block = pid % n_n_blocks
@@ -70,25 +70,39 @@ def state_scan_kernel(x, B, dt, log2_decay_cumsum, start_states, chunk_states, f
     if HAS_START:
         h = ct.load(start_states, (batch, head, p_block, n_block), shape=(1, 1, P_BLOCK, N_BLOCK),
                     padding_mode=ZERO).reshape((P_BLOCK, N_BLOCK)).astype(ct.float32)
-    for chunk in range(nchunks):
-        ct.store(chunk_states, (batch, chunk, head, p_block, n_block),
-                 h.reshape(tile).astype(chunk_states.dtype))
-        x_cols = load_transposed(x, batch, chunk, head, p_block, CHUNK, P_BLOCK, True, 0)
-        B_rows = ct.load(B, (batch, chunk, group, n_block), shape=(1, CHUNK, 1, N_BLOCK),
-                         padding_mode=ZERO).reshape((CHUNK, N_BLOCK))
-        dt_rows = ct.load(dt, (batch, head, chunk, 0), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
-        hi, lo = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, 0, CHUNK)
-        hi_last = ct.extract(hi, (CHUNK - 1,), shape=(1,))
-        lo_last = ct.extract(lo, (CHUNK - 1,), shape=(1,))
-        w = dt_rows * exp2_nonpos(log2_decay_between(hi_last, lo_last, hi, lo))
-        carry = exp2_nonpos(hi_last + lo_last).reshape((1, 1))
-        # The carried state is the accumulator the MMA adds the chunk's increment to.
-        if weights_ride_on_x(x, B, P_BLOCK, N_BLOCK):
-            h = precise_mma(x_cols.astype(ct.float32) * w[None, :], B_rows, carry * h, MODE,
-                            x.dtype)
-        else:
-            h = precise_mma(x_cols, B_rows.astype(ct.float32) * w[:, None], carry * h, MODE,
-                            x.dtype)
+    # STEP chunks a step: their operands in one load each (a load's latency paid once for STEP
+    # MMAs), then the chunks in order. Chunks past the last are zero-padded: dt 0 and a flat
+    # cumsum leave h as it is, and their entering states are not stored.
+    for step in range((nchunks + STEP - 1) // STEP):
+        x_all = load_transposed(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, True, 0)
+        B_all = ct.load(B, (batch, step, group, n_block), shape=(1, STEP * CHUNK, 1, N_BLOCK),
+                        padding_mode=ZERO).reshape((STEP * CHUNK, N_BLOCK))
+        dt_all = ct.load(dt, (batch, head, step, 0), shape=(1, 1, STEP, CHUNK),
+                         padding_mode=ZERO).reshape((STEP, CHUNK))
+        cumsum_all = ct.load(log2_decay_cumsum, (batch, head, step, 0, 0),
+                             shape=(1, 1, STEP, 2, CHUNK), padding_mode=ZERO)
+        for k in ct.static_iter(range(STEP)):
+            chunk = step * STEP + k
+            if chunk < nchunks:
+                ct.store(chunk_states, (batch, chunk, head, p_block, n_block),
+                         h.reshape(tile).astype(chunk_states.dtype))
+            x_cols = ct.extract(x_all, (0, k), shape=(P_BLOCK, CHUNK))
+            B_rows = ct.extract(B_all, (k, 0), shape=(CHUNK, N_BLOCK))
+            dt_rows = ct.extract(dt_all, (k, 0), shape=(1, CHUNK)).reshape((CHUNK,))
+            one = (1, 1, 1, 1, CHUNK)
+            hi = ct.extract(cumsum_all, (0, 0, k, 0, 0), shape=one).reshape((CHUNK,))
+            lo = ct.extract(cumsum_all, (0, 0, k, 1, 0), shape=one).reshape((CHUNK,))
+            hi_last = ct.extract(hi, (CHUNK - 1,), shape=(1,))
+            lo_last = ct.extract(lo, (CHUNK - 1,), shape=(1,))
+            w = dt_rows * exp2_nonpos(log2_decay_between(hi_last, lo_last, hi, lo))
+            carry = exp2_nonpos(hi_last + lo_last).reshape((1, 1))
+            # The carried state is the accumulator the MMA adds the chunk's increment to.
+            if weights_ride_on_x(x, B, P_BLOCK, N_BLOCK):
+                h = precise_mma(x_cols.astype(ct.float32) * w[None, :], B_rows, carry * h, MODE,
+                                x.dtype)
+            else:
+                h = precise_mma(x_cols, B_rows.astype(ct.float32) * w[:, None], carry * h, MODE,
+                                x.dtype)
     ct.store(final_states, (batch, head, p_block, n_block), h.reshape((1, 1, P_BLOCK, N_BLOCK)))
 
 
@@ -112,10 +126,11 @@ class StateScanConfig(KernelVariant):
     has_start: bool = False
     wide: bool = False
     occupancy: int | None = None
+    chunks_per_step: int = 1
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_block, MODE[self.precision],
-                self.has_start)
+                self.has_start, self.chunks_per_step)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
@@ -130,7 +145,7 @@ class StateScanConfig(KernelVariant):
         return (f"state_scan x={self.x_dtype} B={self.b_dtype} Q={self.chunk_size} "
                 f"PB={self.p_block} NB={self.n_block} {self.precision} "
                 f"start={self.has_start}:{self.start_dtype} states={self.state_dtype} "
-                f"int64={self.wide} occupancy={self.occupancy}")
+                f"int64={self.wide} occupancy={self.occupancy} step={self.chunks_per_step}")
 
 
 def state_scan(x, B, dt, log2_decay_cumsum, start_states, cfg: StateScanConfig, stream=None):
