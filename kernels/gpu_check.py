@@ -119,8 +119,13 @@ QUICK_CASES = (
     case("bf16-out-only-L4097-Q256-large-magnitude-z", x_dtype="bf16", bc_dtype="bf16",
          regime="large_magnitude", seqlen=4097, chunk_size=256, D="head", z=True,
          return_final_states=False),
-    # ... and through the fused state scan (kernels/state_scan.py): chunk 128, 64 (row, head)
-    # pairs, out alone; its 64 x 64 tiles, initial states and a partial last chunk.
+    # ... and through the fused state scan (kernels/state_scan.py): 64 (row, head) pairs, out
+    # alone; its 64 x 64 tiles, initial states and a partial last chunk; at chunk 64 (the
+    # default's, two chunks a step) over 15 chunks, so that the last step's second is past the
+    # end, and at chunk 128.
+    case("bf16-out-only-fused-scan-L900-Q64-h64-n128-init-z", x_dtype="bf16", bc_dtype="bf16",
+         batch=1, seqlen=900, nheads=64, ngroups=1, dstate=128, chunk_size=64, D="head", z=True,
+         initial_states=True, return_final_states=False),
     case("bf16-out-only-fused-scan-L1000-Q128-h64-n128-init-z", x_dtype="bf16", bc_dtype="bf16",
          batch=1, seqlen=1000, nheads=64, ngroups=1, dstate=128, chunk_size=128, D="head", z=True,
          initial_states=True, return_final_states=False),

@@ -148,9 +148,14 @@ DEFAULT_CHUNK_SIZE = 256
 # (``fuses_state_scan``, ``default_chunk_size``), else DEFAULT_CHUNK_SIZE. The scan walks the
 # chunks of a (row, head) in one block, so it needs at least STATE_SCAN_MIN_ROW_HEADS of them in
 # flight. On the H200 (kernels/state_scan.py has the figures) 64 to 512 pairs ran faster fused
-# than chunk 256's two kernels (64 pairs walking 512 chunks each too: 1.37 against 1.54 ms a
-# forward); 32 pairs lost (0.96 against 0.86 ms).
-STATE_SCAN_CHUNK_SIZE = 128
+# at chunk 128 than chunk 256's two kernels (64 pairs walking 512 chunks each too: 1.37 against
+# 1.54 ms a forward); 32 pairs lost (0.96 against 0.86 ms). Chunk 64 is faster again where its
+# steps take two chunks (STATE_SCAN_STEP_POSITIONS): compute_out's causal blocks halve, and the
+# scan's loads are issued for two chunks at once, so its walk takes no longer than chunk 128's.
+# Explicit chunk_size=128 calls fuse too (one chunk a step).
+STATE_SCAN_CHUNK_SIZE = 64
+STATE_SCAN_CHUNK_SIZES = (64, 128)
+STATE_SCAN_STEP_POSITIONS = 128
 STATE_SCAN_MIN_ROW_HEADS = 64
 # The scan's tiles start from the table's (else STATE_SCAN_TILES) and halve their state columns,
 # down to 64, while fewer than STATE_SCAN_MIN_BLOCKS blocks would walk (``state_scan_tiles``):
@@ -497,7 +502,7 @@ def fuses_state_scan(key: ProblemKey, states_mode: str) -> bool:
     ``state_precision``; the modes that sum float32-grade states were not measured fused), and
     none of what only the two kernels handle (sequence index, per-sequence starts, varlen
     states)."""
-    return (key.chunk_size == STATE_SCAN_CHUNK_SIZE and states_mode == "input"
+    return (key.chunk_size in STATE_SCAN_CHUNK_SIZES and states_mode == "input"
             and key.batch * key.nheads >= STATE_SCAN_MIN_ROW_HEADS and key.seq_dtype is None
             and not key.per_seq_start and not key.varlen)
 
@@ -524,8 +529,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
     tuned = tuned_entry(tuning_key(key, mode), sources)
     if fused and not tuned:
         # A key not searched at the scan's chunk size (kernels/tune.py): compute_out takes chunk
-        # 256's tiles, as the H200 A/B first timed them (0.364 ms at the first anchor;
-        # kernels/state_scan.py).
+        # 256's tiles, as the H200 A/Bs first timed them (at the first anchor 0.364 ms at chunk
+        # 128, 0.291 at chunk 64; kernels/state_scan.py).
         chunk_256 = tuning_key(replace(key, chunk_size=DEFAULT_CHUNK_SIZE), mode)
         tuned = {"compute_out": tuned_entry(chunk_256, sources).get("compute_out", {})}
     wide = key.needs_int64()
@@ -576,6 +581,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
         scan = StateScanConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype,
                                start_dtype=key.start_dtype or f32, state_dtype=state_dtype,
                                chunk_size=Q, p_block=scan_p, n_block=scan_n,
+                               chunks_per_step=STATE_SCAN_STEP_POSITIONS // Q,
                                precision=states_mode, has_start=key.start_dtype is not None,
                                wide=wide)
     return Plan(cumsum, chunk_state, passing, out, scan)

@@ -6,8 +6,9 @@ passing fused into one walk over the chunks.
     -> chunk_states (b, nchunks, H, P, N) state_dtype: h after c*Q steps (c = 0: the row's start)
        final_states (b, H, P, N) fp32
 
-A block owns one (row, head, P_BLOCK x N_BLOCK tile) and walks its chunks in order, keeping h in
-float32 registers: it stores h as the state entering chunk c, then
+A block owns one (row, head, P_BLOCK x N_BLOCK tile) and walks its chunks in order, STEP chunks
+a step (``chunks_per_step``), keeping h in float32 registers: it stores h as the state entering
+chunk c, then
 
     h <- 2^(S_last) h + x_c^T (w o B_c),   w_t = dt_t 2^(S_last - S_t)
 
@@ -35,6 +36,14 @@ bench_check_58226fa.txt), the stage 0.318 / 0.167 ms at the first two anchors, t
 walked by 128 blocks of 64 x 64 tiles) the stage took 0.622 ms against the two kernels' 0.584 at
 chunk 256, and the forward 1.372 against 1.543 ms; at 32 pairs the forward lost, 0.955 against
 0.861 ms (experiments/ab_fused_64pairs_e85c35f.txt).
+
+Two chunks a step is what makes chunk 64 pay (experiments/ab_scan_chunk_steps_4e052d9.txt, one
+process, out alone, compute_out at chunk 256's table tiles): the step's four loads are issued
+together, so a walk of twice the chunks waits on as many loads as chunk 128's. At the first
+anchor the stage took 0.261 ms (64 x 128 tiles; 0.493 at one chunk a step, 0.284 at chunk 128)
+and the forward 0.566 against 0.661 ms at chunk 128; at the second 0.135 ms and 0.324 against
+0.394; at one row of 64 heads (64 x 64 tiles) 0.739 ms and 1.351 against 1.455, compute_out
+0.577 against 0.716. Four chunks a step spill on sm_90.
 """
 from __future__ import annotations
 

@@ -297,28 +297,33 @@ def test_out_alone_agrees_with_out_beside_its_states():
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("batch, initial_states, headdim, dstate, n_block",
-                         [(1, False, 64, 128, 64), (4, True, 64, 128, 128), (2, True, 48, 32, 32)])
+@pytest.mark.parametrize("batch, initial_states, headdim, dstate, chunk_size, n_block",
+                         [(1, False, 64, 128, 64, 64), (4, True, 64, 128, 64, 128),
+                          (2, True, 48, 32, 64, 32), (1, True, 64, 128, 128, 64),
+                          (4, False, 64, 128, 128, 128)])
 def test_state_scan_agrees_with_the_two_state_kernels_and_its_out_within_rule(
-        batch, initial_states, headdim, dstate, n_block):
-    """The fused state scan (kernels/state_scan.py), chunk_size=None's pick for calls with many
-    (row, head) pairs that return out alone, over a partial last chunk: its chunk and final
-    states agree with chunk_state and the state passing in the same 'input' mode to bf16
-    roundings (the scan carries h in float32 between chunks, the two kernels add bf16
-    increments), and the call's out passes the rule against float64 (check_problem judges
-    ssd_forward's out-alone path). 1 row x 64 heads walks 64 x 64 tiles, 4 rows 64 x 128
-    (``ssd.state_scan_tiles``); headdim 48 and dstate 32 take tiles past the state's edges."""
+        batch, initial_states, headdim, dstate, chunk_size, n_block):
+    """The fused state scan (kernels/state_scan.py), chunk_size=None's pick (chunk 64, two chunks
+    a step) for calls with many (row, head) pairs that return out alone, and an explicit chunk
+    128's (one a step), over 15 and 8 chunks, the last partial (at chunk 64 the last step's second
+    chunk is past the end): its chunk and final states agree with chunk_state and the state
+    passing in the same 'input' mode to bf16 roundings (the scan carries h in float32 between
+    chunks, the two kernels add bf16 increments), and the call's out passes the rule against
+    float64 (check_problem judges ssd_forward's out-alone path at the problem's chunk size).
+    1 row x 64 heads walks 64 x 64 tiles, 4 rows 64 x 128 (``ssd.state_scan_tiles``); headdim
+    48 and dstate 32 take tiles past the state's edges."""
     from dataclasses import replace
     from kernels.gpu_check import check_problem
     from kernels.ssd import default_chunk_size, stage_pipeline
-    spec = ProblemSpec(batch=batch, seqlen=1000, nheads=64, headdim=headdim, dstate=dstate,
-                       ngroups=1, chunk_size=128, x_dtype="bf16", bc_dtype="bf16", D="head",
-                       initial_states=initial_states, return_final_states=False)
+    spec = ProblemSpec(batch=batch, seqlen=900, nheads=64, headdim=headdim, dstate=dstate,
+                       ngroups=1, chunk_size=chunk_size, x_dtype="bf16", bc_dtype="bf16",
+                       D="head", initial_states=initial_states, return_final_states=False)
     problem = build_problem(spec, "cuda")
-    assert default_chunk_size(problem) == 128
+    assert default_chunk_size(problem) == 64
     fused = stage_pipeline(problem, states_returned=False)
     assert fused.plan.state_scan is not None
-    assert fused.plan.state_scan.n_block == n_block
+    assert (fused.plan.state_scan.n_block, fused.plan.state_scan.chunks_per_step) == (
+        n_block, 128 // chunk_size)
     two_kernels = replace(fused, plan=replace(fused.plan, state_scan=None))
     dt, cumsum = fused.cumsum()
     for name, a, b in zip(("chunk_states", "final_states"), fused.states(dt, cumsum)[:2],

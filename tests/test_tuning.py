@@ -100,22 +100,39 @@ def _meta_problem(key: ssd.ProblemKey, **changes):
     return replace(launch_problem(key), **dict(dict(return_final_states=False), **changes))
 
 
-@pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(8, 64, 1, 128), (4, 32, 8, 64),
+@pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(8, 64, 1, 128), (4, 32, 8, 128),
                                                              (2, 64, 1, 128), (1, 64, 1, 64)])
-def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_128(batch, nheads, ngroups,
-                                                                         n_block):
-    """chunk_size=None picks chunk 128 and the fused scan where 64 (row, head) pairs or more
-    walk their chunks. The scan's tiles and compute_out's come from the key's chunk-128 table
-    entry (64 x 128 tiles where 64 heads share their scores, 64 x 64 where 32 heads in 8 groups do
-    not), the state columns halved where fewer than 128 blocks would walk
-    (``ssd.state_scan_tiles``)."""
+def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, nheads, ngroups,
+                                                                        n_block):
+    """chunk_size=None picks chunk 64 and the fused scan, two chunks a step, where 64 (row, head)
+    pairs or more walk their chunks: 64 x 128 tiles, the state columns halved where fewer than 128
+    blocks would walk (``ssd.state_scan_tiles``). compute_out's tiles come from the key's
+    chunk-64 table entry, else chunk 256's."""
     key = replace(anchor_key(), batch=batch, nheads=nheads, ngroups=ngroups)
-    assert ssd.default_chunk_size(_meta_problem(key)) == ssd.STATE_SCAN_CHUNK_SIZE == 128
-    fused = replace(key, chunk_size=128, states_returned=False)
+    assert ssd.default_chunk_size(_meta_problem(key)) == ssd.STATE_SCAN_CHUNK_SIZE == 64
+    fused = replace(key, chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
     assert [name for name, _ in plan.named_configs()][:2] == ["chunk_cumsum", "state_scan"]
     assert (plan.state_scan.p_block, plan.state_scan.n_block) == (64, n_block)
+    assert (plan.state_scan.chunk_size, plan.state_scan.chunks_per_step) == (64, 2)
     assert plan.state_scan.state_dtype == plan.out.state_dtype == bf16
+    entry = ssd.TUNED.get(json.dumps(ssd.tuning_key(fused, DEFAULT), sort_keys=True)) or \
+        ssd.TUNED[json.dumps(ssd.tuning_key(replace(fused, chunk_size=256), DEFAULT),
+                             sort_keys=True)]
+    assert {k: getattr(plan.out, k) for k in entry["compute_out"]} == entry["compute_out"]
+
+
+@pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(8, 64, 1, 128), (4, 32, 8, 64),
+                                                             (1, 64, 1, 64)])
+def test_an_explicit_chunk_128_fuses_one_chunk_a_step_at_its_table_tiles(batch, nheads, ngroups,
+                                                                         n_block):
+    """chunk_size=128 keeps the fused scan, one chunk a step, at the chunk-128 table's tiles
+    (64 x 128 where 64 heads share their scores, 64 x 64 where 32 heads in 8 groups do not)."""
+    fused = replace(anchor_key(), batch=batch, nheads=nheads, ngroups=ngroups, chunk_size=128,
+                    states_returned=False)
+    plan = ssd.make_plan(fused)
+    assert (plan.state_scan.p_block, plan.state_scan.n_block) == (64, n_block)
+    assert (plan.state_scan.chunk_size, plan.state_scan.chunks_per_step) == (128, 1)
     entry = ssd.TUNED[json.dumps(ssd.tuning_key(fused, DEFAULT), sort_keys=True)]
     assert {k: getattr(plan.out, k) for k in entry["compute_out"]} == entry["compute_out"]
 
@@ -176,7 +193,7 @@ def test_a_fused_record_makes_an_entry_of_the_scan_and_compute_out(tmp_path, mon
                                     "chunk_256"])
 def test_the_two_state_kernels_keep_what_the_scan_does_not_take(change):
     """Fewer than 64 (row, head) pairs, returned states (float32-grade sums), packed sequences,
-    float32 x, or an explicit chunk size other than 128: chunk_state and the state passing."""
+    float32 x, or an explicit chunk 256: chunk_state and the state passing."""
     key = anchor_key()
     problem_changes = {}
     if change == "long_single_row":
@@ -190,10 +207,10 @@ def test_the_two_state_kernels_keep_what_the_scan_does_not_take(change):
     if change != "chunk_256":
         assert ssd.default_chunk_size(_meta_problem(key, **problem_changes)) == 256
     states_returned = change == "final_states"
-    plan = ssd.make_plan(replace(key, chunk_size=128 if change != "chunk_256" else 256,
-                                 states_returned=states_returned))
-    assert plan.state_scan is None
-    assert "chunk_state" in dict(plan.named_configs())
+    for chunk_size in ((64, 128) if change != "chunk_256" else (256,)):
+        plan = ssd.make_plan(replace(key, chunk_size=chunk_size, states_returned=states_returned))
+        assert plan.state_scan is None
+        assert "chunk_state" in dict(plan.named_configs())
 
 
 def test_chunk_states_are_stored_in_the_dtype_compute_out_rounds_them_to():
