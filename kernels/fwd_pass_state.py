@@ -30,14 +30,15 @@ in one bf16 MMA, which rounds the weighted operand to bf16 (states no longer flo
 A fused kernel that walked each (row, head, tile) through the chunks, computing every increment
 where the walk needs it (none stored), lost at all three anchor shapes: 0.70 vs 0.54, 0.42 vs 0.32
 and 2.29 vs 1.22 ms at the best tiles of each (21181f8, since removed): the chunks of a row lose
-their parallelism to save a round trip that costs little. At chunk 128, with a whole chunk in each
-MMA step, the fused walk wins where many (row, head) pairs run (kernels/state_scan.py, the
-dispatcher's pick there since 58226fa); these two kernels keep the rest. Keeping that parallelism,
-with chunk_state's blocks taking tickets chunk by chunk and each adding its increment to the state
-its predecessor published through an acquire/release flag (no increments stored, one launch fewer),
-doubled the states stage at the first anchor (0.55 vs 0.28 ms; branch perf/chained-states,
-experiments/ab_chained_18d1c22.txt): each block's wait, carry round trip and release fence add to a
-kernel that holds two blocks an SM. ncu (4f66ebf,
+their parallelism to save a round trip that costs little. With a whole chunk in each MMA (chunk
+128, or 64 at two chunks a step), the fused walk wins where many (row, head) pairs run
+(kernels/state_scan.py, the dispatcher's pick there since 58226fa, at chunk 64 since 76abcd6);
+these two kernels keep the rest. Keeping that parallelism, with chunk_state's blocks taking
+tickets chunk by chunk and each adding its increment to the state its predecessor published
+through an acquire/release flag (no increments stored, one launch fewer), doubled the states stage
+at the first anchor (0.55 vs 0.28 ms; branch perf/chained-states,
+experiments/ab_chained_18d1c22.txt): each block's wait, carry round trip and release fence add to
+a kernel that holds two blocks an SM. ncu (4f66ebf,
 reports/h200/experiments/ncu_anchor1_4f66ebf.txt.gz): state_passing_kernel 0.13 ms at 3.96 TB/s
 (82% of DRAM peak). chunk_state_kernel is latency-bound (occupancy 17%,
 experiments/ncu_anchor0_6106f85.txt.gz): a latency hint of 6 on its x and B loads took the states

@@ -115,7 +115,8 @@ shapes with ``python3 -m kernels.tune --shape B,L,H,P,N,G[,dtype] --out DIR --ca
 go to a per-user cache (``tuning_cache_path()``, kept per GPU model), which takes precedence over
 the table on that GPU model. Nothing is searched at call time.
 
-Chunk size: 256 by default: on the H200 the anchor shapes ran 3-8% faster than at 128 and 15-30%
+Chunk size: 256 where the fused state scan does not apply (64 where it does:
+``STATE_SCAN_CHUNK_SIZE``): on the H200 the anchor shapes ran 3-8% faster than at 128 and 15-30%
 faster than at 64 (bf16, TF32 mode, same TF32 chunk-state configuration; gpu_report --sweep);
 in 'input' with bf16 states, the tuned states stage at the first anchor takes 0.73 ms at chunk
 128 against 0.43 at 256, compute_out 0.57 against 0.63 (experiments/tune_6106f85_q128.json).
@@ -732,7 +733,7 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     """Mamba-2 SSD forward: out [, final_states] [, varlen_states], as mamba_ssm returns them.
 
     Arguments as ``mamba_chunk_scan_combined`` (kernels.contract documents them). chunk_size None
-    picks per call (``default_chunk_size``: 128 with the fused state scan for calls with many
+    picks per call (``default_chunk_size``: 64 with the fused state scan for calls with many
     (row, head) pairs that return out alone, else 256); supported: 64, 128, 256. headdim and
     dstate up to 256. Inputs may be non-contiguous (the kernels read through strides).
     state_dtype: dtype of the stored chunk states (default: x's dtype in 'input', else float32);

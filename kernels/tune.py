@@ -8,7 +8,7 @@ Per shape (``SHAPES``: the performance anchors, bf16, and the first in float32) 
 CUDA-event medians on the same inputs: the states stage over every chunk_state candidate (state
 passing at the dispatcher's choice), then over every state_passing candidate with the best
 chunk_state, then compute_out over its candidates. Where the shape's plan runs the fused state
-scan instead (``--chunk-size 128 --out-alone`` at enough (row, head) pairs:
+scan instead (``--chunk-size 64`` or ``128`` with ``--out-alone``, at enough (row, head) pairs:
 ``ssd.fuses_state_scan``) the states stage is searched over the scan's tiles, then compute_out.
 Results and the dispatcher's own choice go to DIR/tune.json; ``--write-table`` also writes the
 winners, keyed by what the dispatcher matches on (padded headdim and dstate, chunk size, x
@@ -16,8 +16,8 @@ dtype, precision mode), to kernels/tuned.json with provenance. A mode probed in 
 stores the chunk states as that mode does (bf16 in 'input', float32 otherwise:
 ``kernels.ssd.resolve_state_dtype``); ``--chunk-size`` tunes another chunk size (a key of its
 own). Candidates only change tiles and hints, never what is computed; the GPU tests and the
-accuracy grid (kernels/gpu_report.py) check the kernels at the table's tiles (the grid's last
-run predates the chunk-128 entries: the README's Status says what ran on which commit).
+accuracy grid (kernels/gpu_report.py) check the kernels at the table's tiles (the
+README's Status says what ran on which commit).
 Candidates compile in ``--jobs`` worker processes first (cuTile's disk cache then serves this
 process). Before that each candidate's stage kernels are compiled on the CPU at the
 specializations its launches take (``kernels.variants.launch_signatures``): candidates whose
