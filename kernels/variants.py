@@ -96,23 +96,17 @@ COVERING_KEYS = (
     # chunks a step (kernels.ssd.fuses_state_scan), 64 x 128 tiles, halved to 64 x 64 for one row
     # of 64 heads (kernels.ssd.state_scan_tiles); at an explicit chunk 128, one chunk a step at
     # the chunk-128 table's tiles (64 x 64 for 32 heads in 8 groups).
-    ("anchor-b8-L4096-h64-q64-out-only-state-scan",
-     replace(_anchor(8, 4096, 64, 1), chunk_size=64, states_returned=False), None, None),
-    ("anchor-b1-L65536-h64-q64-out-only-state-scan",
-     replace(_anchor(1, 65536, 64, 1), chunk_size=64, states_returned=False), None, None),
-    ("anchor-b4-L8192-h32-g8-q64-out-only-state-scan",
-     replace(_anchor(4, 8192, 32, 8), chunk_size=64, states_returned=False), None, None),
+    *((f"anchor-{name}-q{q}-out-only-state-scan",
+       replace(key, chunk_size=q, states_returned=False), None, None)
+      for q in (64, 128)
+      for name, key in (("b8-L4096-h64", _anchor(8, 4096, 64, 1)),
+                        ("b1-L65536-h64", _anchor(1, 65536, 64, 1)),
+                        ("b4-L8192-h32-g8", _anchor(4, 8192, 32, 8)))),
     ("anchor-b8-L4096-h64-q64-out-only-state-scan-start-d",
      replace(_anchor(8, 4096, 64, 1, start_dtype=f32, has_d=True), chunk_size=64,
              states_returned=False), None, None),
     ("int64-b1-L139264-h256-q64-out-only-state-scan",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),
-    ("anchor-b8-L4096-h64-q128-out-only-state-scan",
-     replace(_anchor(8, 4096, 64, 1), chunk_size=128, states_returned=False), None, None),
-    ("anchor-b1-L65536-h64-q128-out-only-state-scan",
-     replace(_anchor(1, 65536, 64, 1), chunk_size=128, states_returned=False), None, None),
-    ("anchor-b4-L8192-h32-g8-q128-out-only-state-scan",
-     replace(_anchor(4, 8192, 32, 8), chunk_size=128, states_returned=False), None, None),
     ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,
                                           softplus=True), None, None),
     ("int64-b1-L139264-h256", _anchor(1, 139264, 256, 1, has_d=True), None, None),
