@@ -152,8 +152,10 @@ DEFAULT_CHUNK_SIZE = 256
 # at chunk 128 than chunk 256's two kernels (64 pairs walking 512 chunks each too: 1.37 against
 # 1.54 ms a forward); 32 pairs lost (0.96 against 0.86 ms). Chunk 64 is faster again where its
 # steps take two chunks (STATE_SCAN_STEP_POSITIONS): compute_out's causal blocks halve, and the
-# scan's loads are issued for two chunks at once, so its walk takes no longer than chunk 128's.
-# Explicit chunk_size=128 calls fuse too (one chunk a step).
+# scan's loads are issued for two chunks at once, so its walk takes about as long as chunk 128's
+# (0.261 against 0.284 ms at the first anchor, 0.739 against 0.717 at the third;
+# experiments/ab_scan_chunk_steps_4e052d9.txt). Explicit chunk_size=128 calls fuse too (one
+# chunk a step).
 STATE_SCAN_CHUNK_SIZE = 64
 STATE_SCAN_CHUNK_SIZES = (64, 128)
 STATE_SCAN_STEP_POSITIONS = 128
