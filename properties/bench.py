@@ -1034,7 +1034,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read this bench.json instead of measuring: print its table (with "
                              "--out, also write its table and plot there); with --check, compare "
                              "it. Repeated: the runs as one, each shape's record the run's with "
-                             "the median ours/reference ratio (a baseline from several runs)")
+                             "the median judged ratio, ours' kernels over the copy bound (a baseline "
+                             "from several runs)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no new shape after this many seconds (the rest is listed as "
                              "not run)")
