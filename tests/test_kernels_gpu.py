@@ -405,3 +405,36 @@ def test_missing_tileiras_raises_clear_error(monkeypatch):
             tileiras_path()
     finally:
         tileiras_path.cache_clear()
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("initial_states, D, z, p_block, shared_scores",
+                         [(False, None, False, 64, True), (True, "head", True, 64, True),
+                          (True, "channel", False, 32, False)])
+def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_block,
+                                                       shared_scores):
+    """kernels/scan_out.py (branch perf/scan-out, not dispatched) on the default plan's inputs
+    at chunk 64, over 15 chunks, the last partial: out and the final states agree with the fused
+    scan and compute_out to bf16 roundings (the same products; h reaches the output's MMA in
+    registers, rounded there as the stored bf16 state is)."""
+    from kernels.scan_out import ScanOutConfig, scan_out
+    from kernels.ssd import stage_pipeline
+    spec = ProblemSpec(batch=2, seqlen=900, nheads=64, headdim=64, dstate=128, ngroups=1,
+                       chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
+                       initial_states=initial_states, return_final_states=False)
+    problem = build_problem(spec, "cuda")
+    pipeline = stage_pipeline(problem, states_returned=False)
+    assert pipeline.plan.state_scan is not None
+    dt, cumsum = pipeline.cumsum()
+    chunk_states, final_states, _ = pipeline.states(dt, cumsum)
+    ref = pipeline.out(dt, cumsum, chunk_states)
+    d = None if D is None else problem.D.to(torch.float32).reshape(64, -1).expand(64, 64)
+    cfg = ScanOutConfig(p_block=p_block, has_start=initial_states, has_d=D is not None, has_z=z,
+                        shared_scores=shared_scores)
+    out, final = scan_out(problem.x, problem.B, problem.C, dt, cumsum, problem.initial_states,
+                          d.contiguous() if d is not None else None, problem.z, cfg)
+    for name, a, b in (("out", out, ref), ("final_states", final, final_states)):
+        a, b = a.double(), b.double()
+        tol = relation_tolerance(torch.bfloat16, float(b.abs().max()))
+        assert float((a - b).abs().max()) <= tol, name

@@ -1,0 +1,189 @@
+"""Stages 2 and 3 in one kernel, for the calls kernels/state_scan.py takes: each block walks the
+chunks of one (batch row, head, P_BLOCK channels) with the whole state in registers and writes
+the chunk's output where the walk is, so no chunk state reaches memory.
+
+    x (b, L, H, P), B, C (b, L, G, N), dt (b, H, nchunks, Q) and log2_decay_cumsum
+    (b, H, nchunks, 2, Q) fp32 (kernels/chunk_cumsum.py), scores (b, nchunks, G, Q, Q) fp32
+    (kernels/chunk_scores.py, when shared), start_states (b, H, P, N) or none, D (H, P) fp32,
+    z (b, L, H, P)  ->  out (b, L, H, P) x.dtype, final_states (b, H, P, N) fp32
+
+Per chunk c, with h the state entering it (P_BLOCK x N, float32):
+
+    y   = 2^(S_i) C_i . h  +  sum_{j <= i} (C_i . B_j) 2^(S_i - S_j) dt_j x_j  [+ D x_i] [* silu z]
+    h  <- 2^(S_last) h + x_c^T (w o B_c),   w_t = dt_t 2^(S_last - S_t)
+
+the first line as compute_out computes one chunk-sized row block (kernels/compute_out.py, not
+transposed, one column block), the second as the scan does. In 'input' (the only mode the
+dispatcher fuses) the MMA rounds h to x's dtype where compute_out reads the stored bf16 state:
+the same products. Why: at chunk 64 the stored states are the largest traffic of the forward
+(at the first anchor 537 MB written by the scan and read by compute_out, against 562 MB of
+inputs and out), and the walk already holds each state when compute_out needs it. The cost:
+a block's chunks run in order, so only b * H * (P / P_BLOCK) blocks run, and C, B and the scores
+are read once per head instead of once per tile.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.tile as ct
+import torch
+
+from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
+from kernels.fwd_pass_state import weights_ride_on_x
+from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants,
+                              is_16bit, kernel_signature, load_log2_cumsum, load_transposed,
+                              log2_decay_between, placeholder, precise_mma, scalar_constraint)
+
+ZERO = ct.PaddingMode.ZERO
+
+
+def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, out, final_states,
+                    nchunks, nheads, heads_per_group, n_p_blocks,
+                    CHUNK: ct.Constant[int], P_BLOCK: ct.Constant[int], N_PAD: ct.Constant[int],
+                    MODE: ct.Constant[int], HAS_START: ct.Constant[bool],
+                    HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
+                    SHARED_SCORES: ct.Constant[bool]):
+    # Heads vary fastest: blocks running together read the same C, B and scores tiles.
+    pid = ct.bid(0)
+    head = pid % nheads
+    rest = pid // nheads
+    p_block = rest % n_p_blocks
+    batch = rest // n_p_blocks
+    group = head // heads_per_group
+    h = ct.zeros((P_BLOCK, N_PAD), dtype=ct.float32)
+    if HAS_START:
+        h = ct.load(start_states, (batch, head, p_block, 0), shape=(1, 1, P_BLOCK, N_PAD),
+                    padding_mode=ZERO).reshape((P_BLOCK, N_PAD)).astype(ct.float32)
+    if HAS_D:
+        d = ct.load(D, (head, p_block), shape=(1, P_BLOCK), padding_mode=ZERO)
+    position = ct.arange(CHUNK, dtype=ct.int32)
+    sees = position[None, :] <= position[:, None]
+    for chunk in range(nchunks):
+        C_c = ct.load(C, (batch, chunk, group, 0), shape=(1, CHUNK, 1, N_PAD),
+                      padding_mode=ZERO).reshape((CHUNK, N_PAD))
+        B_c = ct.load(B, (batch, chunk, group, 0), shape=(1, CHUNK, 1, N_PAD),
+                      padding_mode=ZERO).reshape((CHUNK, N_PAD))
+        x_c = ct.load(x, (batch, chunk, head, p_block), shape=(1, CHUNK, 1, P_BLOCK),
+                      padding_mode=ZERO).reshape((CHUNK, P_BLOCK))
+        x_cols = load_transposed(x, batch, chunk, head, p_block, CHUNK, P_BLOCK, True, 0)
+        dt_c = ct.load(dt, (batch, head, chunk, 0), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
+        hi, lo = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, 0, CHUNK)
+        if HAS_Z:
+            z_c = ct.load(z, (batch, chunk, head, p_block), shape=(1, CHUNK, 1, P_BLOCK),
+                          padding_mode=ZERO).reshape((CHUNK, P_BLOCK))
+        if SHARED_SCORES:
+            s = ct.load(scores, (batch, chunk, group, 0, 0),
+                        shape=(1, 1, 1, CHUNK, CHUNK)).reshape((CHUNK, CHUNK))
+        else:
+            s = precise_mma(C_c, B_c.transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32),
+                            MODE, x.dtype)
+
+        # The chunk's output: the entering state's term, then the chunk's own positions.
+        y = precise_mma(C_c, h.transpose(), ct.zeros((CHUNK, P_BLOCK), dtype=ct.float32), MODE,
+                        x.dtype) * exp2_nonpos(hi + lo)[:, None]
+        exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :], lo[None, :])
+        weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
+        y = precise_mma(weights, x_c, y, MODE, x.dtype)
+        if HAS_D:
+            y = y + d * x_c.astype(ct.float32)
+        if HAS_Z:
+            z_f = z_c.astype(ct.float32)
+            # As compute_out gates (its comment has the measurements): approximate exp and
+            # division into a 16-bit out, the exact form into a float32 one.
+            if is_16bit(out):
+                y = y * ct.truediv(z_f, 1.0 + ct.exp(-z_f, rounding_mode=ct.RoundingMode.APPROX),
+                                   rounding_mode=ct.RoundingMode.APPROX)
+            else:
+                y = y * (z_f / (1.0 + ct.exp(-z_f)))
+        ct.store(out, (batch, chunk, head, p_block),
+                 y.reshape((1, CHUNK, 1, P_BLOCK)).astype(out.dtype))
+
+        # The state entering the next chunk, as kernels/state_scan.py steps it.
+        hi_last = ct.extract(hi, (CHUNK - 1,), shape=(1,))
+        lo_last = ct.extract(lo, (CHUNK - 1,), shape=(1,))
+        w = dt_c * exp2_nonpos(log2_decay_between(hi_last, lo_last, hi, lo))
+        carry = exp2_nonpos(hi_last + lo_last).reshape((1, 1))
+        if weights_ride_on_x(x, B, P_BLOCK, N_PAD):
+            h = precise_mma(x_cols.astype(ct.float32) * w[None, :], B_c, carry * h, MODE, x.dtype)
+        else:
+            h = precise_mma(x_cols, B_c.astype(ct.float32) * w[:, None], carry * h, MODE,
+                            x.dtype)
+    ct.store(final_states, (batch, head, p_block, 0), h.reshape((1, 1, P_BLOCK, N_PAD)))
+
+
+# x, z, out, B, C and the states can pass 2^31 elements: 64-bit indexing in the wide variant.
+KERNELS = index_variants(scan_out_kernel, ("x", "B", "C", "scores", "start_states", "z", "out",
+                                           "final_states"))
+
+
+@dataclass(frozen=True)
+class ScanOutConfig(KernelVariant):
+    VARIANTS = KERNELS
+
+    x_dtype: torch.dtype = torch.bfloat16
+    b_dtype: torch.dtype = torch.bfloat16
+    c_dtype: torch.dtype = torch.bfloat16
+    z_dtype: torch.dtype = torch.bfloat16
+    start_dtype: torch.dtype = torch.float32
+    chunk_size: int = 64
+    p_block: int = 64
+    n_pad: int = 128
+    precision: str = "input"
+    has_start: bool = False
+    has_d: bool = False
+    has_z: bool = False
+    shared_scores: bool = True
+    wide: bool = False
+    occupancy: int | None = None
+    worker_warps: int | None = None
+
+    def constants(self) -> tuple:
+        return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,
+                self.has_d, self.has_z, self.shared_scores)
+
+    def scores_config(self) -> ChunkScoresConfig:
+        """The shared scores this kernel reads: whole chunks as one tile."""
+        return ChunkScoresConfig(x_dtype=self.x_dtype, b_dtype=self.b_dtype,
+                                 c_dtype=self.c_dtype, chunk_size=self.chunk_size,
+                                 row_block=self.chunk_size, n_pad=self.n_pad,
+                                 precision=self.precision, wide=self.wide)
+
+    def signature(self):
+        f32, i32, w = torch.float32, torch.int32, self.wide
+        return kernel_signature([
+            array_constraint(self.x_dtype, 4, w), array_constraint(self.b_dtype, 4, w),
+            array_constraint(self.c_dtype, 4, w), array_constraint(f32, 5, w),
+            array_constraint(f32, 4), array_constraint(f32, 5),
+            array_constraint(self.start_dtype, 4, w), array_constraint(f32, 2),
+            array_constraint(self.z_dtype, 4, w), array_constraint(self.x_dtype, 4, w),
+            array_constraint(f32, 4, w), *(scalar_constraint(i32) for _ in range(4)),
+            *self.constants()])
+
+    def describe(self) -> str:
+        return (f"scan_out x={self.x_dtype} B={self.b_dtype} C={self.c_dtype} z={self.z_dtype} "
+                f"Q={self.chunk_size} PB={self.p_block} N={self.n_pad} {self.precision} "
+                f"start={self.has_start}:{self.start_dtype} D={self.has_d} z={self.has_z} "
+                f"shared_scores={self.shared_scores} int64={self.wide} "
+                f"occupancy={self.occupancy} worker_warps={self.worker_warps}")
+
+
+def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutConfig,
+             stream=None):
+    """(out, final_states); see the module docstring. D (H, P) fp32 or None; z, start_states
+    or None. stream: where to launch (default: the current stream)."""
+    stream = torch.cuda.current_stream() if stream is None else stream
+    b, L, H, P = x.shape
+    N = B.shape[3]
+    dev, f32 = x.device, torch.float32
+    out = torch.empty(b, L, H, P, device=dev, dtype=x.dtype)
+    final_states = torch.empty(b, H, P, N, device=dev, dtype=f32)
+    npb = -(-P // cfg.p_block)
+    scores = (chunk_scores(B, C, x, cfg.scores_config(), stream) if cfg.shared_scores
+              else placeholder(dev, f32, 5))
+    ct.launch(stream, (b * H * npb,), cfg.kernel,
+              (x, B, C, scores, dt, log2_decay_cumsum,
+               start_states if start_states is not None else placeholder(dev, f32, 4),
+               D if D is not None else placeholder(dev, f32, 2),
+               z if z is not None else x, out, final_states,
+               -(-L // cfg.chunk_size), H, H // B.shape[2], npb, *cfg.constants()))
+    return out, final_states
