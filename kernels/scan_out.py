@@ -13,7 +13,9 @@ Per chunk c, with h the state entering it (P_BLOCK x N, float32):
     h  <- 2^(S_last) h + x_c^T (w o B_c),   w_t = dt_t 2^(S_last - S_t)
 
 the first line as compute_out computes one chunk-sized row block (kernels/compute_out.py, not
-transposed, one column block), the second as the scan does. In 'input' (the only mode the
+transposed, one column block), the second as the scan does, STEP chunks a step as the scan walks
+(``chunks_per_step``; on sm_90 two chunks a step spill 440 bytes with the compiler's 4 worker
+warps and none with 8, 251 registers). In 'input' (the only mode the
 dispatcher fuses) the MMA rounds h to x's dtype where compute_out reads the stored bf16 state:
 the same products. Why: at chunk 64 the stored states are the largest traffic of the forward
 (at the first anchor 537 MB written by the scan and read by compute_out, against 562 MB of
@@ -42,7 +44,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     CHUNK: ct.Constant[int], P_BLOCK: ct.Constant[int], N_PAD: ct.Constant[int],
                     MODE: ct.Constant[int], HAS_START: ct.Constant[bool],
                     HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
-                    SHARED_SCORES: ct.Constant[bool]):
+                    SHARED_SCORES: ct.Constant[bool], STEP: ct.Constant[int]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -58,56 +60,78 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         d = ct.load(D, (head, p_block), shape=(1, P_BLOCK), padding_mode=ZERO)
     position = ct.arange(CHUNK, dtype=ct.int32)
     sees = position[None, :] <= position[:, None]
-    for chunk in range(nchunks):
-        C_c = ct.load(C, (batch, chunk, group, 0), shape=(1, CHUNK, 1, N_PAD),
-                      padding_mode=ZERO).reshape((CHUNK, N_PAD))
-        B_c = ct.load(B, (batch, chunk, group, 0), shape=(1, CHUNK, 1, N_PAD),
-                      padding_mode=ZERO).reshape((CHUNK, N_PAD))
-        x_c = ct.load(x, (batch, chunk, head, p_block), shape=(1, CHUNK, 1, P_BLOCK),
-                      padding_mode=ZERO).reshape((CHUNK, P_BLOCK))
-        x_cols = load_transposed(x, batch, chunk, head, p_block, CHUNK, P_BLOCK, True, 0)
-        dt_c = ct.load(dt, (batch, head, chunk, 0), shape=(1, 1, 1, CHUNK)).reshape((CHUNK,))
-        hi, lo = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, 0, CHUNK)
+    # STEP chunks a step, as kernels/state_scan.py walks: each operand of STEP chunks in one load
+    # (their latency paid once), then the chunks in order. Chunks past the last are zero-padded
+    # (dt 0 and a flat cumsum leave h as it is) and store nothing.
+    for step in range((nchunks + STEP - 1) // STEP):
+        C_all = ct.load(C, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
+                        padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
+        B_all = ct.load(B, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
+                        padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
+        x_all = ct.load(x, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
+                        padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
+        x_cols_all = load_transposed(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, True,
+                                     0)
+        dt_all = ct.load(dt, (batch, head, step, 0), shape=(1, 1, STEP, CHUNK),
+                         padding_mode=ZERO).reshape((STEP, CHUNK))
+        cumsum_all = ct.load(log2_decay_cumsum, (batch, head, step, 0, 0),
+                             shape=(1, 1, STEP, 2, CHUNK), padding_mode=ZERO)
         if HAS_Z:
-            z_c = ct.load(z, (batch, chunk, head, p_block), shape=(1, CHUNK, 1, P_BLOCK),
-                          padding_mode=ZERO).reshape((CHUNK, P_BLOCK))
+            z_all = ct.load(z, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
+                            padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
         if SHARED_SCORES:
-            s = ct.load(scores, (batch, chunk, group, 0, 0),
-                        shape=(1, 1, 1, CHUNK, CHUNK)).reshape((CHUNK, CHUNK))
-        else:
-            s = precise_mma(C_c, B_c.transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32),
-                            MODE, x.dtype)
-
-        # The chunk's output: the entering state's term, then the chunk's own positions.
-        y = precise_mma(C_c, h.transpose(), ct.zeros((CHUNK, P_BLOCK), dtype=ct.float32), MODE,
-                        x.dtype) * exp2_nonpos(hi + lo)[:, None]
-        exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :], lo[None, :])
-        weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
-        y = precise_mma(weights, x_c, y, MODE, x.dtype)
-        if HAS_D:
-            y = y + d * x_c.astype(ct.float32)
-        if HAS_Z:
-            z_f = z_c.astype(ct.float32)
-            # As compute_out gates (its comment has the measurements): approximate exp and
-            # division into a 16-bit out, the exact form into a float32 one.
-            if is_16bit(out):
-                y = y * ct.truediv(z_f, 1.0 + ct.exp(-z_f, rounding_mode=ct.RoundingMode.APPROX),
-                                   rounding_mode=ct.RoundingMode.APPROX)
+            s_all = ct.load(scores, (batch, step, group, 0, 0),
+                            shape=(1, STEP, 1, CHUNK, CHUNK), padding_mode=ZERO)
+        for k in ct.static_iter(range(STEP)):
+            chunk = step * STEP + k
+            C_c = ct.extract(C_all, (k, 0), shape=(CHUNK, N_PAD))
+            B_c = ct.extract(B_all, (k, 0), shape=(CHUNK, N_PAD))
+            x_c = ct.extract(x_all, (k, 0), shape=(CHUNK, P_BLOCK))
+            x_cols = ct.extract(x_cols_all, (0, k), shape=(P_BLOCK, CHUNK))
+            dt_c = ct.extract(dt_all, (k, 0), shape=(1, CHUNK)).reshape((CHUNK,))
+            one = (1, 1, 1, 1, CHUNK)
+            hi = ct.extract(cumsum_all, (0, 0, k, 0, 0), shape=one).reshape((CHUNK,))
+            lo = ct.extract(cumsum_all, (0, 0, k, 1, 0), shape=one).reshape((CHUNK,))
+            if SHARED_SCORES:
+                s = ct.extract(s_all, (0, k, 0, 0, 0), shape=(1, 1, 1, CHUNK, CHUNK)).reshape(
+                    (CHUNK, CHUNK))
             else:
-                y = y * (z_f / (1.0 + ct.exp(-z_f)))
-        ct.store(out, (batch, chunk, head, p_block),
-                 y.reshape((1, CHUNK, 1, P_BLOCK)).astype(out.dtype))
+                s = precise_mma(C_c, B_c.transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32),
+                                MODE, x.dtype)
 
-        # The state entering the next chunk, as kernels/state_scan.py steps it.
-        hi_last = ct.extract(hi, (CHUNK - 1,), shape=(1,))
-        lo_last = ct.extract(lo, (CHUNK - 1,), shape=(1,))
-        w = dt_c * exp2_nonpos(log2_decay_between(hi_last, lo_last, hi, lo))
-        carry = exp2_nonpos(hi_last + lo_last).reshape((1, 1))
-        if weights_ride_on_x(x, B, P_BLOCK, N_PAD):
-            h = precise_mma(x_cols.astype(ct.float32) * w[None, :], B_c, carry * h, MODE, x.dtype)
-        else:
-            h = precise_mma(x_cols, B_c.astype(ct.float32) * w[:, None], carry * h, MODE,
-                            x.dtype)
+            # The chunk's output: the entering state's term, then the chunk's own positions.
+            y = precise_mma(C_c, h.transpose(), ct.zeros((CHUNK, P_BLOCK), dtype=ct.float32),
+                            MODE, x.dtype) * exp2_nonpos(hi + lo)[:, None]
+            exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :], lo[None, :])
+            weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
+            y = precise_mma(weights, x_c, y, MODE, x.dtype)
+            if HAS_D:
+                y = y + d * x_c.astype(ct.float32)
+            if HAS_Z:
+                z_f = ct.extract(z_all, (k, 0), shape=(CHUNK, P_BLOCK)).astype(ct.float32)
+                # As compute_out gates (its comment has the measurements): approximate exp and
+                # division into a 16-bit out, the exact form into a float32 one.
+                if is_16bit(out):
+                    y = y * ct.truediv(z_f, 1.0 + ct.exp(-z_f,
+                                                         rounding_mode=ct.RoundingMode.APPROX),
+                                       rounding_mode=ct.RoundingMode.APPROX)
+                else:
+                    y = y * (z_f / (1.0 + ct.exp(-z_f)))
+            if chunk < nchunks:
+                ct.store(out, (batch, chunk, head, p_block),
+                         y.reshape((1, CHUNK, 1, P_BLOCK)).astype(out.dtype))
+
+            # The state entering the next chunk, as kernels/state_scan.py steps it.
+            hi_last = ct.extract(hi, (CHUNK - 1,), shape=(1,))
+            lo_last = ct.extract(lo, (CHUNK - 1,), shape=(1,))
+            w = dt_c * exp2_nonpos(log2_decay_between(hi_last, lo_last, hi, lo))
+            carry = exp2_nonpos(hi_last + lo_last).reshape((1, 1))
+            if weights_ride_on_x(x, B, P_BLOCK, N_PAD):
+                h = precise_mma(x_cols.astype(ct.float32) * w[None, :], B_c, carry * h, MODE,
+                                x.dtype)
+            else:
+                h = precise_mma(x_cols, B_c.astype(ct.float32) * w[:, None], carry * h, MODE,
+                                x.dtype)
     ct.store(final_states, (batch, head, p_block, 0), h.reshape((1, 1, P_BLOCK, N_PAD)))
 
 
@@ -136,10 +160,11 @@ class ScanOutConfig(KernelVariant):
     wide: bool = False
     occupancy: int | None = None
     worker_warps: int | None = None
+    chunks_per_step: int = 1
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,
-                self.has_d, self.has_z, self.shared_scores)
+                self.has_d, self.has_z, self.shared_scores, self.chunks_per_step)
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""
@@ -164,7 +189,8 @@ class ScanOutConfig(KernelVariant):
                 f"Q={self.chunk_size} PB={self.p_block} N={self.n_pad} {self.precision} "
                 f"start={self.has_start}:{self.start_dtype} D={self.has_d} z={self.has_z} "
                 f"shared_scores={self.shared_scores} int64={self.wide} "
-                f"occupancy={self.occupancy} worker_warps={self.worker_warps}")
+                f"occupancy={self.occupancy} worker_warps={self.worker_warps} "
+                f"step={self.chunks_per_step}")
 
 
 def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutConfig,

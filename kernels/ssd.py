@@ -139,6 +139,7 @@ from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
 from kernels.device import require_gpu
 from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
                                     fwd_pass_state)
+from kernels.scan_out import ScanOutConfig, scan_out
 from kernels.state_scan import StateScanConfig, state_scan
 from kernels.tile_ops import INT32_LIMIT, PRECISIONS, needs_int64, next_pow2
 from oracles.common import SSDResult
@@ -169,6 +170,13 @@ STATE_SCAN_MIN_ROW_HEADS = 64
 # ab_state_scan_436fba5.txt).
 STATE_SCAN_TILES = (64, 128)
 STATE_SCAN_MIN_BLOCKS = 128
+# The scan and compute_out as one walk (kernels/scan_out.py, ``fuses_out``): no chunk state
+# stored, but one block per (row, head, P block) walks every chunk in order, with the whole
+# state (dstate up to SCAN_OUT_MAX_DSTATE) in registers. Not yet measured: SCAN_OUT_MIN_ROW_HEADS
+# is the first anchor's count (512 pairs), and the tiles and step are the compile's (sm_90, 168
+# to 251 registers, no spill), until the H200 A/B sets them.
+SCAN_OUT_MIN_ROW_HEADS = 512
+SCAN_OUT_MAX_DSTATE = 128
 MAX_HEADDIM = 256
 MAX_DSTATE = 256
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -285,11 +293,17 @@ class Plan:
     out: ComputeOutConfig
     # When set, stage 2 is this one kernel instead of chunk_state and state_passing.
     state_scan: Optional[StateScanConfig] = None
+    # When set, stages 2 and 3 are this one kernel (after the scores, when shared).
+    scan_out: Optional[ScanOutConfig] = None
 
     def named_configs(self) -> tuple[tuple[str, object], ...]:
         """(kernel name, config) in launch order; the scores kernel only when compute_out shares
         its scores (kernels/chunk_scores.py)."""
         named = [("chunk_cumsum", self.cumsum)]
+        if self.scan_out is not None:
+            if self.scan_out.shared_scores:
+                named.append(("chunk_scores", self.scan_out.scores_config()))
+            return (*named, ("scan_out", self.scan_out))
         if self.state_scan is not None:
             named.append(("state_scan", self.state_scan))
         else:
@@ -510,6 +524,15 @@ def fuses_state_scan(key: ProblemKey, states_mode: str) -> bool:
             and not key.per_seq_start and not key.varlen)
 
 
+def fuses_out(key: ProblemKey, states_mode: str) -> bool:
+    """Whether stages 2 and 3 run as kernels/scan_out.py: a call the fused scan takes at chunk
+    STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more and a state
+    whose rows fit the kernel's registers."""
+    return (fuses_state_scan(key, states_mode) and key.chunk_size == STATE_SCAN_CHUNK_SIZE
+            and key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
+            and next_pow2(key.dstate) <= SCAN_OUT_MAX_DSTATE)
+
+
 def make_plan(key: ProblemKey, state_dtype: Optional[torch.dtype] = None,
               precision: Optional[str] = None) -> Plan:
     """The kernels' variants and tiles for a problem: a function of the key and, on a GPU, of the
@@ -587,7 +610,15 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                chunks_per_step=STATE_SCAN_STEP_POSITIONS // Q,
                                precision=states_mode, has_start=key.start_dtype is not None,
                                wide=wide)
-    return Plan(cumsum, chunk_state, passing, out, scan)
+    walk = None
+    if fuses_out(key, states_mode):
+        walk = ScanOutConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
+                             z_dtype=key.z_dtype or key.x_dtype, start_dtype=key.start_dtype or f32,
+                             chunk_size=Q, p_block=p_block, n_pad=n_pad, precision=mode,
+                             has_start=key.start_dtype is not None, has_d=key.has_d,
+                             has_z=key.z_dtype is not None, shared_scores=shares_scores(key),
+                             wide=wide, chunks_per_step=2, worker_warps=8)
+    return Plan(cumsum, chunk_state, passing, out, scan, walk)
 
 
 def _check_supported(problem: SSDProblem, state_dtype) -> None:
@@ -631,7 +662,11 @@ class StagePipeline:
                             stream=stream)
 
     def states(self, dt, log2_cumsum, stream=None):
+        """(chunk_states, final_states, varlen_states); all None where kernels/scan_out.py
+        computes the states and the output in one walk (``out``), storing no state."""
         p = self.problem
+        if self.plan.scan_out is not None:
+            return None, None, None
         if self.plan.state_scan is not None:
             return state_scan(p.x, p.B, dt, log2_cumsum, p.initial_states, self.plan.state_scan,
                               stream)
@@ -650,6 +685,9 @@ class StagePipeline:
             # out equal bit for bit to a copied D, without the copy's launch (24 us of host time
             # a call on the H200, reports/h200/experiments/host_parts_2302d94.txt).
             D = p.D.to(torch.float32).reshape(p.nheads, -1).expand(p.nheads, p.headdim)
+        if self.plan.scan_out is not None:
+            return scan_out(p.x, p.B, p.C, dt, log2_cumsum, p.initial_states, D, p.z,
+                            self.plan.scan_out, stream)[0]
         return compute_out(
             OutInputs(x=p.x, B=p.B, C=p.C, dt=dt, log2_decay_cumsum=log2_cumsum, A=self.A,
                       chunk_states=chunk_states, D=D, z=p.z, seq_idx=self.seq_idx,

@@ -61,7 +61,7 @@ REMARK_TARGET = "sm_90"
 # cuTile's compile flags for a kernel with default options (cuda/tile/_compile.py: compile_cubin).
 TILEIRAS_FLAGS = ("-O3", "--lineinfo")
 TENSOR_CORE_PRECISIONS = ("3xtf32", "tf32", "input", "2xbf16", "3xbf16", "2xfp16", "3xfp16")
-MMA_KERNELS = ("chunk_state", "state_scan", "chunk_scores", "compute_out")
+MMA_KERNELS = ("chunk_state", "state_scan", "chunk_scores", "compute_out", "scan_out")
 
 f32, bf16, f16, i32, i64 = torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
 

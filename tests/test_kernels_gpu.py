@@ -409,15 +409,17 @@ def test_missing_tileiras_raises_clear_error(monkeypatch):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("initial_states, D, z, p_block, shared_scores",
-                         [(False, None, False, 64, True), (True, "head", True, 64, True),
-                          (True, "channel", False, 32, False)])
+@pytest.mark.parametrize("initial_states, D, z, p_block, shared_scores, step",
+                         [(False, None, False, 64, True, 1), (True, "head", True, 64, True, 1),
+                          (True, "channel", False, 32, False, 1), (True, "head", True, 64, True, 2),
+                          (False, None, False, 32, True, 2)])
 def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_block,
-                                                       shared_scores):
+                                                       shared_scores, step):
     """kernels/scan_out.py (branch perf/scan-out, not dispatched) on the default plan's inputs
     at chunk 64, over 15 chunks, the last partial: out and the final states agree with the fused
     scan and compute_out to bf16 roundings (the same products; h reaches the output's MMA in
-    registers, rounded there as the stored bf16 state is)."""
+    registers, rounded there as the stored bf16 state is). Two chunks a step (with 8 worker
+    warps, where they do not spill) leave the 16th chunk past the end."""
     from kernels.scan_out import ScanOutConfig, scan_out
     from kernels.ssd import stage_pipeline
     spec = ProblemSpec(batch=2, seqlen=900, nheads=64, headdim=64, dstate=128, ngroups=1,
@@ -431,10 +433,30 @@ def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_b
     ref = pipeline.out(dt, cumsum, chunk_states)
     d = None if D is None else problem.D.to(torch.float32).reshape(64, -1).expand(64, 64)
     cfg = ScanOutConfig(p_block=p_block, has_start=initial_states, has_d=D is not None, has_z=z,
-                        shared_scores=shared_scores)
+                        shared_scores=shared_scores, chunks_per_step=step,
+                        worker_warps=8 if step == 2 else None)
     out, final = scan_out(problem.x, problem.B, problem.C, dt, cumsum, problem.initial_states,
                           d.contiguous() if d is not None else None, problem.z, cfg)
     for name, a, b in (("out", out, ref), ("final_states", final, final_states)):
         a, b = a.double(), b.double()
         tol = relation_tolerance(torch.bfloat16, float(b.abs().max()))
         assert float((a - b).abs().max()) <= tol, name
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("D, z", [(None, False), ("head", True)])
+def test_the_dispatched_scan_out_passes_the_rule(D, z):
+    """chunk_size=None at 512 (row, head) pairs, out alone: kernels/scan_out.py as the
+    dispatcher runs it (``ssd.fuses_out``), out held to the rule against float64 over 15 chunks,
+    the last partial."""
+    from kernels.gpu_check import check_problem
+    from kernels.ssd import default_chunk_size, stage_pipeline
+    spec = ProblemSpec(batch=8, seqlen=900, nheads=64, headdim=64, dstate=128, ngroups=1,
+                       chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
+                       initial_states=True, return_final_states=False)
+    problem = build_problem(spec, "cuda")
+    assert default_chunk_size(problem) == 64
+    assert stage_pipeline(problem, states_returned=False).plan.scan_out is not None
+    record = check_problem(problem, with_mamba=False)
+    assert not record["violations"], record["violations"]

@@ -100,7 +100,7 @@ def _meta_problem(key: ssd.ProblemKey, **changes):
     return replace(launch_problem(key), **dict(dict(return_final_states=False), **changes))
 
 
-@pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(8, 64, 1, 128), (4, 32, 8, 128),
+@pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(4, 64, 1, 128), (4, 32, 8, 128),
                                                              (2, 64, 1, 128), (1, 64, 1, 64)])
 def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, nheads, ngroups,
                                                                         n_block):
@@ -120,6 +120,18 @@ def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, n
         ssd.TUNED[json.dumps(ssd.tuning_key(replace(fused, chunk_size=256), DEFAULT),
                              sort_keys=True)]
     assert {k: getattr(plan.out, k) for k in entry["compute_out"]} == entry["compute_out"]
+
+
+def test_from_512_row_heads_the_scan_and_compute_out_run_as_one_walk():
+    """At the first anchor's 512 (row, head) pairs, chunk 64: kernels/scan_out.py after the
+    shared scores, no states stored; not at 256 pairs, at dstate 256 or at chunk 128."""
+    fused = replace(anchor_key(), chunk_size=64, states_returned=False)
+    plan = ssd.make_plan(fused)
+    assert [name for name, _ in plan.named_configs()] == ["chunk_cumsum", "chunk_scores",
+                                                           "scan_out"]
+    assert (plan.scan_out.chunk_size, plan.scan_out.p_block, plan.scan_out.n_pad) == (64, 64, 128)
+    for change in (dict(batch=4), dict(dstate=256), dict(chunk_size=128)):
+        assert ssd.make_plan(replace(fused, **change)).scan_out is None, change
 
 
 @pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(8, 64, 1, 128), (4, 32, 8, 64),
