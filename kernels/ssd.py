@@ -172,10 +172,16 @@ STATE_SCAN_TILES = (64, 128)
 STATE_SCAN_MIN_BLOCKS = 128
 # The scan and compute_out as one walk (kernels/scan_out.py, ``fuses_out``): no chunk state
 # stored, but one block per (row, head, P block) walks every chunk in order, with the whole
-# state (dstate up to SCAN_OUT_MAX_DSTATE) in registers. Not yet measured: SCAN_OUT_MIN_ROW_HEADS
-# is the first anchor's count (512 pairs), and the tiles and step are the compile's (sm_90, 168
-# to 251 registers, no spill), until the H200 A/B sets them.
-SCAN_OUT_MIN_ROW_HEADS = 512
+# state (dstate up to SCAN_OUT_MAX_DSTATE) in registers. Measured on the H200 against the fused
+# scan then compute_out, both at chunk 64: 0.84-0.89x from 128 to 1024 (row, head) pairs at
+# H64 (first anchor 0.568 -> 0.500 ms), a tie at the second anchor's 128 pairs (H32, G8: own
+# scores), 1.35x slower at the third's 64 pairs (64 blocks for 132 SMs). Its scores are its own
+# at dstate 64, where it was 0.366 ms against 0.422 reading the shared ones (default 0.503).
+# Two chunks a step with 8 worker warps (0.523 ms at the first anchor), 32-channel blocks (0.97)
+# and own scores at dstate 128 (0.62) lost (experiments/ab_scan_out_1a72178.txt,
+# ab_scan_out_wide_1a72178.txt).
+SCAN_OUT_MIN_ROW_HEADS = 128
+SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
 SCAN_OUT_MAX_DSTATE = 128
 MAX_HEADDIM = 256
 MAX_DSTATE = 256
@@ -616,8 +622,10 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              z_dtype=key.z_dtype or key.x_dtype, start_dtype=key.start_dtype or f32,
                              chunk_size=Q, p_block=p_block, n_pad=n_pad, precision=mode,
                              has_start=key.start_dtype is not None, has_d=key.has_d,
-                             has_z=key.z_dtype is not None, shared_scores=shares_scores(key),
-                             wide=wide, chunks_per_step=2, worker_warps=8)
+                             has_z=key.z_dtype is not None,
+                             shared_scores=(shares_scores(key)
+                                            and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE),
+                             wide=wide)
     return Plan(cumsum, chunk_state, passing, out, scan, walk)
 
 

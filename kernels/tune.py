@@ -234,10 +234,11 @@ def with_candidate(plan: ssd.Plan, stage: str, cand: dict, precision: str | None
 def _pipeline(inputs: dict, chunk_size: int, plan: ssd.Plan | None = None,
               precision: str | None = None) -> ssd.StagePipeline:
     """The stages of a call on ``inputs``: at ``plan``, else at the dispatcher's plan in
-    ``precision``."""
+    ``precision`` without kernels/scan_out.py's walk, which would run in place of the two
+    stages searched here (it takes the tiles of neither)."""
     problem = validate(**inputs, chunk_size=chunk_size)
     pipeline = ssd.stage_pipeline(problem, precision=precision)
-    return pipeline if plan is None else replace(pipeline, plan=plan)
+    return replace(pipeline, plan=plan or replace(pipeline.plan, scan_out=None))
 
 
 def probe_candidates(stage: str, rows: list[dict], best: dict, tabled: dict) -> list[dict]:

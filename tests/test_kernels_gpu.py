@@ -309,7 +309,8 @@ def test_state_scan_agrees_with_the_two_state_kernels_and_its_out_within_rule(
     chunk is past the end): its chunk and final states agree with chunk_state and the state
     passing in the same 'input' mode to bf16 roundings (the scan carries h in float32 between
     chunks, the two kernels add bf16 increments), and the call's out passes the rule against
-    float64 (check_problem judges ssd_forward's out-alone path at the problem's chunk size).
+    float64 (check_problem judges ssd_forward's out-alone path at the problem's chunk size: at
+    4 rows x 64 heads and chunk 64, kernels/scan_out.py's walk).
     1 row x 64 heads walks 64 x 64 tiles, 4 rows 64 x 128 (``ssd.state_scan_tiles``); headdim
     48 and dstate 32 take tiles past the state's edges."""
     from dataclasses import replace
@@ -321,6 +322,7 @@ def test_state_scan_agrees_with_the_two_state_kernels_and_its_out_within_rule(
     problem = build_problem(spec, "cuda")
     assert default_chunk_size(problem) == 64
     fused = stage_pipeline(problem, states_returned=False)
+    fused = replace(fused, plan=replace(fused.plan, scan_out=None))    # 128 pairs or more walk
     assert fused.plan.state_scan is not None
     assert (fused.plan.state_scan.n_block, fused.plan.state_scan.chunks_per_step) == (
         n_block, 128 // chunk_size)
@@ -415,11 +417,12 @@ def test_missing_tileiras_raises_clear_error(monkeypatch):
                           (False, None, False, 32, True, 2)])
 def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_block,
                                                        shared_scores, step):
-    """kernels/scan_out.py (branch perf/scan-out, not dispatched) on the default plan's inputs
+    """kernels/scan_out.py at configurations the dispatcher does and does not pick, on inputs
     at chunk 64, over 15 chunks, the last partial: out and the final states agree with the fused
     scan and compute_out to bf16 roundings (the same products; h reaches the output's MMA in
     registers, rounded there as the stored bf16 state is). Two chunks a step (with 8 worker
     warps, where they do not spill) leave the 16th chunk past the end."""
+    from dataclasses import replace
     from kernels.scan_out import ScanOutConfig, scan_out
     from kernels.ssd import stage_pipeline
     spec = ProblemSpec(batch=2, seqlen=900, nheads=64, headdim=64, dstate=128, ngroups=1,
@@ -427,6 +430,7 @@ def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_b
                        initial_states=initial_states, return_final_states=False)
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=False)
+    pipeline = replace(pipeline, plan=replace(pipeline.plan, scan_out=None))
     assert pipeline.plan.state_scan is not None
     dt, cumsum = pipeline.cumsum()
     chunk_states, final_states, _ = pipeline.states(dt, cumsum)
@@ -445,14 +449,15 @@ def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_b
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("D, z", [(None, False), ("head", True)])
-def test_the_dispatched_scan_out_passes_the_rule(D, z):
+@pytest.mark.parametrize("D, z, dstate", [(None, False, 128), ("head", True, 128),
+                                          (None, False, 64)])
+def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate):
     """chunk_size=None at 512 (row, head) pairs, out alone: kernels/scan_out.py as the
-    dispatcher runs it (``ssd.fuses_out``), out held to the rule against float64 over 15 chunks,
-    the last partial."""
+    dispatcher runs it (``ssd.fuses_out``; its own scores at dstate 64), out held to the rule
+    against float64 over 15 chunks, the last partial."""
     from kernels.gpu_check import check_problem
     from kernels.ssd import default_chunk_size, stage_pipeline
-    spec = ProblemSpec(batch=8, seqlen=900, nheads=64, headdim=64, dstate=128, ngroups=1,
+    spec = ProblemSpec(batch=8, seqlen=900, nheads=64, headdim=64, dstate=dstate, ngroups=1,
                        chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
                        initial_states=True, return_final_states=False)
     problem = build_problem(spec, "cuda")

@@ -107,12 +107,15 @@ def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, n
     """chunk_size=None picks chunk 64 and the fused scan, two chunks a step, where 64 (row, head)
     pairs or more walk their chunks: 64 x 128 tiles, the state columns halved where fewer than 128
     blocks would walk (``ssd.state_scan_tiles``). compute_out's tiles come from the key's
-    chunk-64 table entry, else chunk 256's."""
+    chunk-64 table entry, else chunk 256's. From SCAN_OUT_MIN_ROW_HEADS pairs (at dstate up to
+    128) the walk of kernels/scan_out.py runs instead of both (the test below)."""
     key = replace(anchor_key(), batch=batch, nheads=nheads, ngroups=ngroups)
     assert ssd.default_chunk_size(_meta_problem(key)) == ssd.STATE_SCAN_CHUNK_SIZE == 64
     fused = replace(key, chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
-    assert [name for name, _ in plan.named_configs()][:2] == ["chunk_cumsum", "state_scan"]
+    walks = batch * nheads >= ssd.SCAN_OUT_MIN_ROW_HEADS
+    names = [name for name, _ in plan.named_configs()]
+    assert (names[1] == "state_scan", "scan_out" in names) == (not walks, walks)
     assert (plan.state_scan.p_block, plan.state_scan.n_block) == (64, n_block)
     assert (plan.state_scan.chunk_size, plan.state_scan.chunks_per_step) == (64, 2)
     assert plan.state_scan.state_dtype == plan.out.state_dtype == bf16
@@ -122,15 +125,19 @@ def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, n
     assert {k: getattr(plan.out, k) for k in entry["compute_out"]} == entry["compute_out"]
 
 
-def test_from_512_row_heads_the_scan_and_compute_out_run_as_one_walk():
+def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     """At the first anchor's 512 (row, head) pairs, chunk 64: kernels/scan_out.py after the
-    shared scores, no states stored; not at 256 pairs, at dstate 256 or at chunk 128."""
+    shared scores, no states stored, and so from 128 pairs; its own scores at dstate 64; not at
+    64 pairs, at dstate 256 or at chunk 128."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
     assert [name for name, _ in plan.named_configs()] == ["chunk_cumsum", "chunk_scores",
                                                            "scan_out"]
     assert (plan.scan_out.chunk_size, plan.scan_out.p_block, plan.scan_out.n_pad) == (64, 64, 128)
-    for change in (dict(batch=4), dict(dstate=256), dict(chunk_size=128)):
+    assert ssd.make_plan(replace(fused, batch=2)).scan_out == plan.scan_out
+    small_state = ssd.make_plan(replace(fused, dstate=64))
+    assert [name for name, _ in small_state.named_configs()] == ["chunk_cumsum", "scan_out"]
+    for change in (dict(batch=1), dict(dstate=256), dict(chunk_size=128)):
         assert ssd.make_plan(replace(fused, **change)).scan_out is None, change
 
 
