@@ -177,9 +177,10 @@ STATE_SCAN_MIN_BLOCKS = 128
 # H64 (first anchor 0.568 -> 0.500 ms), a tie at the second anchor's 128 pairs (H32, G8: own
 # scores), 1.35x slower at the third's 64 pairs (64 blocks for 132 SMs). Its scores are its own
 # at dstate 64, where it was 0.366 ms against 0.422 reading the shared ones (default 0.503).
-# Two chunks a step with 8 worker warps (0.523 ms at the first anchor), 32-channel blocks (0.97)
+# With z or D it won 3-7%, with both it lost 1-5% (at 512 and 128 pairs): not taken there. Two
+# chunks a step with 8 worker warps (0.523 ms at the first anchor), 32-channel blocks (0.97)
 # and own scores at dstate 128 (0.62) lost (experiments/ab_scan_out_1a72178.txt,
-# ab_scan_out_wide_1a72178.txt).
+# ab_scan_out_shapes_1a72178.txt, ab_scan_out_zd_a7cf504.txt).
 SCAN_OUT_MIN_ROW_HEADS = 128
 SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
 SCAN_OUT_MAX_DSTATE = 128
@@ -532,11 +533,12 @@ def fuses_state_scan(key: ProblemKey, states_mode: str) -> bool:
 
 def fuses_out(key: ProblemKey, states_mode: str) -> bool:
     """Whether stages 2 and 3 run as kernels/scan_out.py: a call the fused scan takes at chunk
-    STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more and a state
-    whose rows fit the kernel's registers."""
+    STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, a state
+    whose rows fit the kernel's registers, and not both z and D."""
     return (fuses_state_scan(key, states_mode) and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
-            and next_pow2(key.dstate) <= SCAN_OUT_MAX_DSTATE)
+            and next_pow2(key.dstate) <= SCAN_OUT_MAX_DSTATE
+            and not (key.has_d and key.z_dtype is not None))
 
 
 def make_plan(key: ProblemKey, state_dtype: Optional[torch.dtype] = None,

@@ -128,7 +128,7 @@ def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, n
 def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     """At the first anchor's 512 (row, head) pairs, chunk 64: kernels/scan_out.py after the
     shared scores, no states stored, and so from 128 pairs; its own scores at dstate 64; not at
-    64 pairs, at dstate 256 or at chunk 128."""
+    64 pairs, at dstate 256, at chunk 128 or with both z and D."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
     assert [name for name, _ in plan.named_configs()] == ["chunk_cumsum", "chunk_scores",
@@ -137,7 +137,10 @@ def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     assert ssd.make_plan(replace(fused, batch=2)).scan_out == plan.scan_out
     small_state = ssd.make_plan(replace(fused, dstate=64))
     assert [name for name, _ in small_state.named_configs()] == ["chunk_cumsum", "scan_out"]
-    for change in (dict(batch=1), dict(dstate=256), dict(chunk_size=128)):
+    assert ssd.make_plan(replace(fused, has_d=True)).scan_out.has_d
+    assert ssd.make_plan(replace(fused, z_dtype=bf16)).scan_out.has_z
+    for change in (dict(batch=1), dict(dstate=256), dict(chunk_size=128),
+                   dict(has_d=True, z_dtype=bf16)):
         assert ssd.make_plan(replace(fused, **change)).scan_out is None, change
 
 
