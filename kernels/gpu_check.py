@@ -129,6 +129,11 @@ QUICK_CASES = (
     case("bf16-out-only-fused-scan-L1000-Q128-h64-n128-init-z", x_dtype="bf16", bc_dtype="bf16",
          batch=1, seqlen=1000, nheads=64, ngroups=1, dstate=128, chunk_size=128, D="head", z=True,
          initial_states=True, return_final_states=False),
+    # ... and through kernels/scan_out.py's walk (no chunk state stored): 128 (row, head) pairs at
+    # chunk 64, D per channel (the walk does not take z with D), 15 chunks, the last partial.
+    case("bf16-out-only-walk-L900-Q64-b2-h64-n128-init-Dchannel", x_dtype="bf16",
+         bc_dtype="bf16", batch=2, seqlen=900, nheads=64, ngroups=1, dstate=128, chunk_size=64,
+         D="channel", initial_states=True, return_final_states=False),
     case("bf16-2xbf16-L1000-Q256-Dhead-z", precision="2xbf16", x_dtype="bf16", bc_dtype="bf16",
          seqlen=1000, chunk_size=256, D="head", z=True),
     # The fp16 splits (scaled fp16 terms), at fp16's default's cells.

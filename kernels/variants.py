@@ -92,20 +92,26 @@ COVERING_KEYS = (
     ("anchor-b8-L4096-h64-z-d-per-channel-out-only",
      replace(_anchor(8, 4096, 64, 1, has_d=True, d_per_channel=True, z_dtype=bf16),
              states_returned=False), None, None),
-    # chunk_size=None's pick for these out-alone calls: the fused state scan at chunk 64, two
-    # chunks a step (kernels.ssd.fuses_state_scan), 64 x 128 tiles, halved to 64 x 64 for one row
-    # of 64 heads (kernels.ssd.state_scan_tiles); at an explicit chunk 128, one chunk a step at
-    # the chunk-128 table's tiles (64 x 64 for 32 heads in 8 groups).
-    *((f"anchor-{name}-q{q}-out-only-state-scan",
+    # chunk_size=None's pick for these out-alone calls, chunk 64: from 128 (row, head) pairs the
+    # walk of kernels/scan_out.py (kernels.ssd.fuses_out; shared scores, or its own for 32 heads
+    # in 8 groups and at dstate 64), else the fused state scan two chunks a step
+    # (kernels.ssd.fuses_state_scan): 64 x 64 tiles for one row of 64 heads
+    # (kernels.ssd.state_scan_tiles), 64 x 128 at dstate 256 and with both z and D, which the
+    # walk does not take. At an explicit chunk 128, the state scan one chunk a step at the
+    # chunk-128 table's tiles (64 x 64 for 32 heads in 8 groups).
+    *((f"anchor-{name}-q{q}-out-only-fused",
        replace(key, chunk_size=q, states_returned=False), None, None)
       for q in (64, 128)
       for name, key in (("b8-L4096-h64", _anchor(8, 4096, 64, 1)),
                         ("b1-L65536-h64", _anchor(1, 65536, 64, 1)),
                         ("b4-L8192-h32-g8", _anchor(4, 8192, 32, 8)))),
-    ("anchor-b8-L4096-h64-q64-out-only-state-scan-start-d",
-     replace(_anchor(8, 4096, 64, 1, start_dtype=f32, has_d=True), chunk_size=64,
-             states_returned=False), None, None),
-    ("int64-b1-L139264-h256-q64-out-only-state-scan",
+    *((f"anchor-b8-L4096-h64-q64-out-only-fused-{name}",
+       replace(_anchor(8, 4096, 64, 1), chunk_size=64, states_returned=False, **kw), None, None)
+      for name, kw in (("start-d", dict(start_dtype=f32, has_d=True)), ("z", dict(z_dtype=bf16)),
+                       ("d-per-channel", dict(has_d=True, d_per_channel=True)),
+                       ("z-d-per-channel", dict(has_d=True, d_per_channel=True, z_dtype=bf16)),
+                       ("n64", dict(dstate=64)), ("n256", dict(dstate=256)))),
+    ("int64-b1-L139264-h256-q64-out-only-fused",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),
     ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,
                                           softplus=True), None, None),
