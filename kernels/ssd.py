@@ -11,6 +11,9 @@ is ``kernels.contract``).
                     (from 8 heads per group, after the scores C.B^T of     kernels/chunk_scores.py
                     each chunk, once per group)
 
+At chunk 64, for calls of many (row, head) pairs that return out alone, the last two stages run
+as one kernel that stores no chunk state (kernels/scan_out.py; ``fuses_out``).
+
 Precision (``precision=``; kernels/tile_ops.py says what each mode computes). Errors below are
 normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
   - float32 x: "3xbf16" by default: both float32 operands of every matmul cut in three bf16
@@ -783,8 +786,9 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     """Mamba-2 SSD forward: out [, final_states] [, varlen_states], as mamba_ssm returns them.
 
     Arguments as ``mamba_chunk_scan_combined`` (kernels.contract documents them). chunk_size None
-    picks per call (``default_chunk_size``: 64 with the fused state scan for calls with many
-    (row, head) pairs that return out alone, else 256); supported: 64, 128, 256. headdim and
+    picks per call (``default_chunk_size``: 64 with the fused state scan, or from 128 pairs the
+    walk of kernels/scan_out.py, for calls with many (row, head) pairs that return out alone,
+    else 256); supported: 64, 128, 256. headdim and
     dstate up to 256. Inputs may be non-contiguous (the kernels read through strides).
     state_dtype: dtype of the stored chunk states (default: x's dtype in 'input', else float32);
     precision: 'auto' (default), 'ieee', '3xtf32', 'tf32', 'input', '2xbf16', '3xbf16', '2xfp16'
