@@ -22,7 +22,8 @@ promises tensor cores has every MMA on them, and the MMA kernels move every tile
 element by TMA (the 64-bit-indexed variants excepted: a TMA descriptor cannot encode their
 extents). The base address is taken as 16-byte aligned, as torch allocates; a view at an odd
 offset launches another specialization than CI compiles. Each compile also reports a thread's
-registers and spilled bytes, read from the cubin (``kernel_resources``).
+registers and spilled bytes and a block's shared memory, read from the cubin
+(``kernel_resources``).
 
     python3 -m kernels.variants [--target sm_90 ...] [--jobs 2] [--list] [--out DIR]
 """
@@ -308,6 +309,7 @@ class CompileResult:
     code_digest: str = ""
     registers: int = 0          # a thread's registers (kernel_resources)
     spill_bytes: int = 0        # a thread's local-memory frame: registers spilled
+    shared_bytes: int = 0       # a block's shared memory (kernel_resources)
     error: str = ""
 
 
@@ -378,14 +380,19 @@ def code_digest(cubin: bytes) -> str:
 _INFO_SIZED, _REGCOUNT, _FRAME_SIZE = 0x04, 0x2F, 0x11
 
 
-def kernel_resources(cubin: bytes) -> tuple[int, int]:
-    """(registers, spill bytes) of a thread of the cubin's kernel, from its .nv.info attributes.
+def kernel_resources(cubin: bytes) -> tuple[int, int, int]:
+    """(registers, spill bytes) of a thread of the cubin's kernel, from its .nv.info attributes,
+    and a block's shared memory (the .nv.shared sections). Shared memory, not registers, is what
+    kept kernels/scan_out.py's walk to one block per SM on sm_90 (220,728 bytes at the first
+    anchor; 101,800 with occupancy=2, kernels/ssd.py).
     compute_out at the first anchor's tiles (occupancy 3: 80 registers) keeps a frame of 8 bytes
     a thread on sm_90, 16 with D per head, and on the H200 ncu counted four times the
     local-memory requests with D (experiments/ncu_compute_out_d_a86c27f.txt.gz): the CPU
     compile shows the spills that ncu measures."""
-    found = {}
+    found, shared = {}, 0
     for section, offset, size in _sections(cubin):
+        if section.startswith(b".nv.shared"):
+            shared += size
         if not section.startswith(b".nv.info"):
             continue
         i, end = offset, offset + size
@@ -398,7 +405,7 @@ def kernel_resources(cubin: bytes) -> tuple[int, int]:
                 i += 4 + length
             else:
                 i += 4
-    return found.get(_REGCOUNT, 0), found.get(_FRAME_SIZE, 0)
+    return found.get(_REGCOUNT, 0), found.get(_FRAME_SIZE, 0), shared
 
 
 def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -> CompileResult:
@@ -429,7 +436,8 @@ def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -
                 with open(cubin, "rb") as f:
                     machine_code = f.read()
                 result.code_digest = code_digest(machine_code)
-                result.registers, result.spill_bytes = kernel_resources(machine_code)
+                (result.registers, result.spill_bytes,
+                 result.shared_bytes) = kernel_resources(machine_code)
                 if target == REMARK_TARGET:
                     remarks = run.stdout + run.stderr
                     result.tensor_core_mmas, result.fma_mmas = mma_remarks(remarks)
@@ -531,8 +539,8 @@ def main(argv=None) -> int:
         status = "FAIL" if problems else "ok"
         tc = f" tc={r.tensor_core_mmas}" if r.target == REMARK_TARGET else ""
         spills = f" spill={r.spill_bytes}B" if r.spill_bytes else ""
-        print(f"{status:4s} {r.target} {r.seconds:5.1f}s regs={r.registers}{spills}{tc} "
-              f"{r.variant}")
+        print(f"{status:4s} {r.target} {r.seconds:5.1f}s regs={r.registers}{spills} "
+              f"smem={r.shared_bytes / 1024:.1f}KB{tc} {r.variant}")
         for p in problems:
             print("     " + p.replace("\n", "\n     "))
     print(f"{len(results)} compiles, {failures} failed, {time.perf_counter() - start:.0f} s")

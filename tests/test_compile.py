@@ -16,12 +16,17 @@ import torch
 
 from kernels import ssd
 from kernels.tile_ops import CT_DTYPE
-from kernels.variants import (COVERING_KEYS, TARGETS, compile_all, compile_variant,
+from kernels.variants import (COVERING_KEYS, MMA_KERNELS, TARGETS, compile_all, compile_variant,
                               covering_variants, recorded_launches, violations)
 from kernels.gpu_report import ANCHORS
 from properties.problems import ProblemSpec, build_problem
 
 VARIANTS = covering_variants()
+
+
+# Shared memory one block may use (CUDA C++ Programming Guide, compute capabilities table):
+# 163 KB on 8.0, 227 KB on 9.0 and 10.0.
+MAX_BLOCK_SHARED_BYTES = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +42,11 @@ def test_variant_compiles(compiled, variant, target):
     assert result.ok, f"{variant.config.describe()} on {target}:\n{result.error}"
     # Read from the cubin's kernel attributes (kernel_resources): a thread has 1..255 registers.
     assert 0 < result.registers <= 255, (variant.name, target, result.registers)
+    # A block's shared memory (kernel_resources) within what one block may take on the target:
+    # a bigger one would fail at launch. The MMA kernels stage their operands there.
+    assert (variant.kernel not in MMA_KERNELS or result.shared_bytes > 0) and (
+        result.shared_bytes <= MAX_BLOCK_SHARED_BYTES[target]), (
+        variant.name, target, result.shared_bytes)
     problems = violations(variant, result)
     assert not problems, f"{variant.config.describe()} on {target}: {problems}"
 
