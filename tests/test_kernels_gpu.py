@@ -310,7 +310,7 @@ def test_state_scan_agrees_with_the_two_state_kernels_and_its_out_within_rule(
     passing in the same 'input' mode to bf16 roundings (the scan carries h in float32 between
     chunks, the two kernels add bf16 increments), and the call's out passes the rule against
     float64 (check_problem judges ssd_forward's out-alone path at the problem's chunk size: at
-    4 rows x 64 heads and chunk 64, kernels/scan_out.py's walk).
+    chunk 64 from 2 rows x 64 heads, kernels/scan_out.py's walk).
     1 row x 64 heads walks 64 x 64 tiles, 4 rows 64 x 128 (``ssd.state_scan_tiles``); headdim
     48 and dstate 32 take tiles past the state's edges."""
     from dataclasses import replace
