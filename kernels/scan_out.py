@@ -33,10 +33,10 @@ import cuda.tile as ct
 import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
-from kernels.fwd_pass_state import weights_ride_on_x
+from kernels.state_scan import next_state, step_log2_cumsum
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants,
-                              is_16bit, kernel_signature, load_log2_cumsum, load_transposed,
-                              log2_decay_between, placeholder, precise_mma, scalar_constraint)
+                              is_16bit, kernel_signature, load_transposed, log2_decay_between,
+                              placeholder, precise_mma, scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -91,9 +91,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
             x_c = ct.extract(x_all, (k, 0), shape=(CHUNK, P_BLOCK))
             x_cols = ct.extract(x_cols_all, (0, k), shape=(P_BLOCK, CHUNK))
             dt_c = ct.extract(dt_all, (k, 0), shape=(1, CHUNK)).reshape((CHUNK,))
-            one = (1, 1, 1, 1, CHUNK)
-            hi = ct.extract(cumsum_all, (0, 0, k, 0, 0), shape=one).reshape((CHUNK,))
-            lo = ct.extract(cumsum_all, (0, 0, k, 1, 0), shape=one).reshape((CHUNK,))
+            hi, lo = step_log2_cumsum(cumsum_all, k, CHUNK)
             if SHARED_SCORES:
                 s = ct.extract(s_all, (0, k, 0, 0, 0), shape=(1, 1, 1, CHUNK, CHUNK)).reshape(
                     (CHUNK, CHUNK))
@@ -123,17 +121,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 ct.store(out, (batch, chunk, head, p_block),
                          y.reshape((1, CHUNK, 1, P_BLOCK)).astype(out.dtype))
 
-            # The state entering the next chunk, as kernels/state_scan.py steps it.
-            hi_last = ct.extract(hi, (CHUNK - 1,), shape=(1,))
-            lo_last = ct.extract(lo, (CHUNK - 1,), shape=(1,))
-            w = dt_c * exp2_nonpos(log2_decay_between(hi_last, lo_last, hi, lo))
-            carry = exp2_nonpos(hi_last + lo_last).reshape((1, 1))
-            if weights_ride_on_x(x, B, P_BLOCK, N_PAD):
-                h = precise_mma(x_cols.astype(ct.float32) * w[None, :], B_c, carry * h, MODE,
-                                x.dtype)
-            else:
-                h = precise_mma(x_cols, B_c.astype(ct.float32) * w[:, None], carry * h, MODE,
-                                x.dtype)
+            h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, MODE, P_BLOCK, N_PAD, CHUNK)
     ct.store(final_states, (batch, head, p_block, 0), h.reshape((1, 1, P_BLOCK, N_PAD)))
 
 

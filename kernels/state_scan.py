@@ -98,21 +98,37 @@ def state_scan_kernel(x, B, dt, log2_decay_cumsum, start_states, chunk_states, f
             x_cols = ct.extract(x_all, (0, k), shape=(P_BLOCK, CHUNK))
             B_rows = ct.extract(B_all, (k, 0), shape=(CHUNK, N_BLOCK))
             dt_rows = ct.extract(dt_all, (k, 0), shape=(1, CHUNK)).reshape((CHUNK,))
-            one = (1, 1, 1, 1, CHUNK)
-            hi = ct.extract(cumsum_all, (0, 0, k, 0, 0), shape=one).reshape((CHUNK,))
-            lo = ct.extract(cumsum_all, (0, 0, k, 1, 0), shape=one).reshape((CHUNK,))
-            hi_last = ct.extract(hi, (CHUNK - 1,), shape=(1,))
-            lo_last = ct.extract(lo, (CHUNK - 1,), shape=(1,))
-            w = dt_rows * exp2_nonpos(log2_decay_between(hi_last, lo_last, hi, lo))
-            carry = exp2_nonpos(hi_last + lo_last).reshape((1, 1))
-            # The carried state is the accumulator the MMA adds the chunk's increment to.
-            if weights_ride_on_x(x, B, P_BLOCK, N_BLOCK):
-                h = precise_mma(x_cols.astype(ct.float32) * w[None, :], B_rows, carry * h, MODE,
-                                x.dtype)
-            else:
-                h = precise_mma(x_cols, B_rows.astype(ct.float32) * w[:, None], carry * h, MODE,
-                                x.dtype)
+            hi, lo = step_log2_cumsum(cumsum_all, k, CHUNK)
+            h = next_state(h, x_cols, B_rows, dt_rows, hi, lo, x, B, MODE, P_BLOCK, N_BLOCK,
+                           CHUNK)
     ct.store(final_states, (batch, head, p_block, n_block), h.reshape((1, 1, P_BLOCK, N_BLOCK)))
+
+
+@ct.function
+def step_log2_cumsum(cumsum_all, k, CHUNK: ct.Constant[int]):
+    """(hi, lo), each (CHUNK,): chunk k's compensated cumsum in a step's (1, 1, STEP, 2, CHUNK)
+    tile."""
+    one = (1, 1, 1, 1, CHUNK)
+    hi = ct.extract(cumsum_all, (0, 0, k, 0, 0), shape=one).reshape((CHUNK,))
+    lo = ct.extract(cumsum_all, (0, 0, k, 1, 0), shape=one).reshape((CHUNK,))
+    return hi, lo
+
+
+@ct.function
+def next_state(h, x_cols, B_rows, dt_rows, hi, lo, x, B, MODE: ct.Constant[int],
+               P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int], CHUNK: ct.Constant[int]):
+    """The state entering the next chunk, 2^(S_last) h + x_c^T (w o B_c), from h (P_BLOCK,
+    N_BLOCK) float32, x_cols (P_BLOCK, CHUNK), B_rows (CHUNK, N_BLOCK), dt_rows, hi, lo (CHUNK,);
+    x and B give the operands' dtypes. The carried state is the accumulator the MMA adds the
+    chunk's increment to."""
+    hi_last = ct.extract(hi, (CHUNK - 1,), shape=(1,))
+    lo_last = ct.extract(lo, (CHUNK - 1,), shape=(1,))
+    w = dt_rows * exp2_nonpos(log2_decay_between(hi_last, lo_last, hi, lo))
+    carry = exp2_nonpos(hi_last + lo_last).reshape((1, 1))
+    if weights_ride_on_x(x, B, P_BLOCK, N_BLOCK):
+        return precise_mma(x_cols.astype(ct.float32) * w[None, :], B_rows, carry * h, MODE,
+                           x.dtype)
+    return precise_mma(x_cols, B_rows.astype(ct.float32) * w[:, None], carry * h, MODE, x.dtype)
 
 
 # x, B and the states can pass 2^31 elements: 64-bit indexing of those in the wide variant.
