@@ -129,11 +129,16 @@ QUICK_CASES = (
     case("bf16-out-only-fused-scan-L1000-Q128-h64-n128-init-z", x_dtype="bf16", bc_dtype="bf16",
          batch=1, seqlen=1000, nheads=64, ngroups=1, dstate=128, chunk_size=128, D="head", z=True,
          initial_states=True, return_final_states=False),
-    # ... and through kernels/scan_out.py's walk (no chunk state stored): 128 (row, head) pairs at
-    # chunk 64, D per channel (the walk does not take z with D), 15 chunks, the last partial.
+    # ... and through kernels/scan_out.py's walk (no chunk state stored), 15 chunks at chunk 64,
+    # the last partial: 128 (row, head) pairs, one block to an SM, D per channel (so, without z:
+    # ssd.fuses_out); 256 pairs, two blocks to an SM on the H200 (ssd.scan_out_occupancy), with
+    # z and D per channel.
     case("bf16-out-only-walk-L900-Q64-b2-h64-n128-init-Dchannel", x_dtype="bf16",
          bc_dtype="bf16", batch=2, seqlen=900, nheads=64, ngroups=1, dstate=128, chunk_size=64,
          D="channel", initial_states=True, return_final_states=False),
+    case("bf16-out-only-walk-L900-Q64-b4-h64-n128-init-z-Dchannel", x_dtype="bf16",
+         bc_dtype="bf16", batch=4, seqlen=900, nheads=64, ngroups=1, dstate=128, chunk_size=64,
+         D="channel", z=True, initial_states=True, return_final_states=False),
     case("bf16-2xbf16-L1000-Q256-Dhead-z", precision="2xbf16", x_dtype="bf16", bc_dtype="bf16",
          seqlen=1000, chunk_size=256, D="head", z=True),
     # The fp16 splits (scaled fp16 terms), at fp16's default's cells.

@@ -139,7 +139,7 @@ from kernels.chunk_cumsum import ChunkCumsumConfig, chunk_cumsum, head_block_for
 from kernels.chunk_scores import ChunkScoresConfig
 from kernels.compute_out import ComputeOutConfig, OutInputs, compute_out
 from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
-from kernels.device import require_gpu
+from kernels.device import require_gpu, sm_count
 from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
                                     fwd_pass_state)
 from kernels.scan_out import ScanOutConfig, scan_out
@@ -176,17 +176,33 @@ STATE_SCAN_MIN_BLOCKS = 128
 # The scan and compute_out as one walk (kernels/scan_out.py, ``fuses_out``): no chunk state
 # stored, but one block per (row, head, P block) walks every chunk in order, with the whole
 # state (dstate up to SCAN_OUT_MAX_DSTATE) in registers. Measured on the H200 against the fused
-# scan then compute_out, both at chunk 64: 0.84-0.89x from 128 to 1024 (row, head) pairs at
-# H64 (first anchor 0.568 -> 0.500 ms), a tie at the second anchor's 128 pairs (H32, G8: own
-# scores), 1.35x slower at the third's 64 pairs (64 blocks for 132 SMs). Its scores are its own
-# at dstate 64, where it was 0.366 ms against 0.422 reading the shared ones (default 0.503).
-# With z or D it won 3-7%, with both it lost 1-5% (at 512 and 128 pairs): not taken there. Two
-# chunks a step with 8 worker warps (0.523 ms at the first anchor), 32-channel blocks (0.97)
-# and own scores at dstate 128 (0.62) lost (experiments/ab_scan_out_1a72178.txt,
-# ab_scan_out_shapes_1a72178.txt, ab_scan_out_zd_a7cf504.txt).
+# scan then compute_out, both at chunk 64, one block per SM: 0.84-0.89x from 128 to 1024 (row,
+# head) pairs at H64 (first anchor 0.568 -> 0.500 ms), a tie at the second anchor's 128 pairs
+# (H32, G8: own scores), 1.35x slower at the third's 64 pairs (64 blocks for 132 SMs). Its
+# scores are its own at dstate 64, where it was 0.366 ms against 0.422 reading the shared ones
+# (default 0.503). Two chunks a step with 8 worker warps (0.523 ms at the first anchor),
+# 32-channel blocks (0.97) and own scores at dstate 128 (0.62) lost
+# (experiments/ab_scan_out_1a72178.txt, ab_scan_out_shapes_1a72178.txt).
 SCAN_OUT_MIN_ROW_HEADS = 128
 SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
 SCAN_OUT_MAX_DSTATE = 128
+# Alone, a walk block takes 220,728 bytes of shared memory on sm_90 (the first anchor), so one
+# runs per SM; compiled with occupancy=2 it takes 101,800 bytes and 128 registers, no spill, and
+# two share an SM, which then finishes both in SCAN_OUT_PAIRED_COST times one block's time
+# alone (2 x 0.419 / 0.498 at the first anchor). So it measured on the H200 (132 SMs): at the
+# first anchor's 512 blocks 0.419 ms paired against 0.498 alone (2 rounds against 4; 0.74x the
+# default forward against 0.88x), at 1024 (headdim 128) 0.66x against 0.84x, at 256 and 192
+# (one paired round against two) 0.74x and 0.80x against 0.87x and 0.98x; alone stayed faster
+# at 384 blocks (3 rounds against 2 paired: 0.88x against 0.94x) and at 128, where pairing only
+# costs (1.03-1.12x slower). So the walk pairs its blocks where fewer rounds at that cost win
+# (``scan_out_occupancy``). Paired, it also wins with both z and D (0.71x at 256 and 512
+# blocks), where alone it lost 1-5% (0.98x at 2 x 4096 x 64 heads), so only a paired walk
+# takes both (experiments/ab_scan_out_zd_a7cf504.txt, ab_scan_out_occupancy_2d1c4d7.txt,
+# ab_scan_out_occupancy_256_2d1c4d7.txt).
+SCAN_OUT_PAIRED_COST = 1.68
+# The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
+# the variants calls launch): the H200's, where the rule above was measured.
+REFERENCE_SM_COUNT = 132
 MAX_HEADDIM = 256
 MAX_DSTATE = 256
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -534,32 +550,42 @@ def fuses_state_scan(key: ProblemKey, states_mode: str) -> bool:
             and not key.per_seq_start and not key.varlen)
 
 
-def fuses_out(key: ProblemKey, states_mode: str) -> bool:
+def scan_out_occupancy(blocks: int, sms: int) -> Optional[int]:
+    """2 where the walk's blocks finish sooner two to an SM (occupancy=2), at
+    SCAN_OUT_PAIRED_COST a pair, than one to an SM; else None (the compiler's choice, one)."""
+    rounds_alone = -(-blocks // sms)
+    rounds_paired = -(-blocks // (2 * sms))
+    return 2 if rounds_paired * SCAN_OUT_PAIRED_COST < rounds_alone else None
+
+
+def fuses_out(key: ProblemKey, states_mode: str, occupancy: Optional[int]) -> bool:
     """Whether stages 2 and 3 run as kernels/scan_out.py: a call the fused scan takes at chunk
     STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, a state
-    whose rows fit the kernel's registers, and not both z and D."""
+    whose rows fit the kernel's registers, and not both z and D unless the walk's blocks run
+    paired (``scan_out_occupancy``)."""
     return (fuses_state_scan(key, states_mode) and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
             and next_pow2(key.dstate) <= SCAN_OUT_MAX_DSTATE
-            and not (key.has_d and key.z_dtype is not None))
+            and (occupancy == 2 or not (key.has_d and key.z_dtype is not None)))
 
 
 def make_plan(key: ProblemKey, state_dtype: Optional[torch.dtype] = None,
-              precision: Optional[str] = None) -> Plan:
-    """The kernels' variants and tiles for a problem: a function of the key and, on a GPU, of the
-    user's tuning cache (CI, without a GPU, compiles the variants it picks for the anchor shapes).
+              precision: Optional[str] = None, sms: Optional[int] = None) -> Plan:
+    """The kernels' variants and tiles for a problem: a function of the key, of the GPU's SM
+    count ``sms`` (default REFERENCE_SM_COUNT) and, on a GPU, of the user's tuning cache (CI,
+    without a GPU, compiles the variants it picks for the anchor shapes).
     Remembered per key and tuning sources: building one was a third of the host path's Python
     time (36 of ~114 us on a 2-core CPU machine, launches stubbed), which small problems pay in
     full (reports/h200/experiments/host_and_fp32_probe_c091e22.txt)."""
     if state_dtype is None:     # stage_pipeline passes it resolved
         state_dtype = resolve_state_dtype(None, resolve_precision(precision, key.x_dtype),
                                           key.x_dtype)
-    return _plan(key, state_dtype, precision, tuning_sources())
+    return _plan(key, state_dtype, precision, tuning_sources(), sms or REFERENCE_SM_COUNT)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
-          sources: tuple) -> Plan:
+          sources: tuple, sms: int) -> Plan:
     mode = resolve_precision(precision, key.x_dtype)
     states_mode = state_precision(mode, key.x_dtype, key.states_returned)
     fused = fuses_state_scan(key, states_mode)
@@ -622,7 +648,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                precision=states_mode, has_start=key.start_dtype is not None,
                                wide=wide)
     walk = None
-    if fuses_out(key, states_mode):
+    walk_occupancy = scan_out_occupancy(key.batch * key.nheads * -(-key.headdim // p_block), sms)
+    if fuses_out(key, states_mode, walk_occupancy):
         walk = ScanOutConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
                              z_dtype=key.z_dtype or key.x_dtype, start_dtype=key.start_dtype or f32,
                              chunk_size=Q, p_block=p_block, n_pad=n_pad, precision=mode,
@@ -630,7 +657,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              has_z=key.z_dtype is not None,
                              shared_scores=(shares_scores(key)
                                             and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE),
-                             wide=wide)
+                             wide=wide, occupancy=walk_occupancy)
     return Plan(cumsum, chunk_state, passing, out, scan, walk)
 
 
@@ -724,7 +751,8 @@ def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[st
     require_gpu(problem.x)
     varlen = problem.cu_seqlens is not None if varlen is None else bool(varlen and
                                                                        problem.cu_seqlens is not None)
-    plan = make_plan(_key(problem, varlen, states_returned), state_dtype, precision)
+    plan = make_plan(_key(problem, varlen, states_returned), state_dtype, precision,
+                     sm_count(problem.x.device))
     p = problem
     seq_idx = p.seq_idx
     if seq_idx is None and p.cu_seqlens is not None:

@@ -97,9 +97,12 @@ COVERING_KEYS = (
     # walk of kernels/scan_out.py (kernels.ssd.fuses_out; shared scores, or its own for 32 heads
     # in 8 groups and at dstate 64), else the fused state scan two chunks a step
     # (kernels.ssd.fuses_state_scan): 64 x 64 tiles for one row of 64 heads
-    # (kernels.ssd.state_scan_tiles), 64 x 128 at dstate 256 and with both z and D, which the
-    # walk does not take. At an explicit chunk 128, the state scan one chunk a step at the
-    # chunk-128 table's tiles (64 x 64 for 32 heads in 8 groups).
+    # (kernels.ssd.state_scan_tiles), 64 x 128 at dstate 256, which the walk does not take. The
+    # walk's blocks run two to an SM at the first anchor's 512 (on the reference 132 SMs:
+    # kernels.ssd.scan_out_occupancy), and so also with both z and D; one to an SM for 32 heads
+    # in 8 groups, and for 2 rows x 64 heads, which with both z and D keep the scan and
+    # compute_out. At an explicit chunk 128, the state scan one chunk a step at the chunk-128
+    # table's tiles (64 x 64 for 32 heads in 8 groups).
     *((f"anchor-{name}-q{q}-out-only-fused",
        replace(key, chunk_size=q, states_returned=False), None, None)
       for q in (64, 128)
@@ -112,6 +115,9 @@ COVERING_KEYS = (
                        ("d-per-channel", dict(has_d=True, d_per_channel=True)),
                        ("z-d-per-channel", dict(has_d=True, d_per_channel=True, z_dtype=bf16)),
                        ("n64", dict(dstate=64)), ("n256", dict(dstate=256)))),
+    ("anchor-b2-L4096-h64-q64-out-only-fused-z-d-per-channel",
+     replace(_anchor(2, 4096, 64, 1, has_d=True, d_per_channel=True, z_dtype=bf16),
+             chunk_size=64, states_returned=False), None, None),
     ("int64-b1-L139264-h256-q64-out-only-fused",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),
     ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,

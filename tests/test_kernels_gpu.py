@@ -450,10 +450,12 @@ def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_b
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("D, z, dstate", [(None, False, 128), ("head", False, 128),
-                                          (None, True, 128), (None, False, 64)])
+                                          (None, True, 128), ("channel", True, 128),
+                                          (None, False, 64)])
 def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate):
     """chunk_size=None at 512 (row, head) pairs, out alone: kernels/scan_out.py as the
-    dispatcher runs it (``ssd.fuses_out``; its own scores at dstate 64), out held to the rule
+    dispatcher runs it (``ssd.fuses_out``; its own scores at dstate 64; two blocks to an SM on
+    the H200, ``ssd.scan_out_occupancy``, and so with both z and D), out held to the rule
     against float64 over 15 chunks, the last partial."""
     from kernels.gpu_check import check_problem
     from kernels.ssd import default_chunk_size, stage_pipeline

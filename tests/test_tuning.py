@@ -127,21 +127,42 @@ def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, n
 
 def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     """At the first anchor's 512 (row, head) pairs, chunk 64: kernels/scan_out.py after the
-    shared scores, no states stored, and so from 128 pairs; its own scores at dstate 64; not at
-    64 pairs, at dstate 256, at chunk 128 or with both z and D."""
+    shared scores, no states stored, its blocks two to an SM; and so from 128 pairs, one to an
+    SM there; its own scores at dstate 64; not at 64 pairs, at dstate 256, at chunk 128, or with
+    both z and D where its blocks run one to an SM."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
     assert [name for name, _ in plan.named_configs()] == ["chunk_cumsum", "chunk_scores",
                                                            "scan_out"]
     assert (plan.scan_out.chunk_size, plan.scan_out.p_block, plan.scan_out.n_pad) == (64, 64, 128)
-    assert ssd.make_plan(replace(fused, batch=2)).scan_out == plan.scan_out
+    assert plan.scan_out.occupancy == 2
+    assert ssd.make_plan(replace(fused, batch=2)).scan_out == replace(plan.scan_out,
+                                                                      occupancy=None)
     small_state = ssd.make_plan(replace(fused, dstate=64))
     assert [name for name, _ in small_state.named_configs()] == ["chunk_cumsum", "scan_out"]
     assert ssd.make_plan(replace(fused, has_d=True)).scan_out.has_d
     assert ssd.make_plan(replace(fused, z_dtype=bf16)).scan_out.has_z
+    both = ssd.make_plan(replace(fused, has_d=True, z_dtype=bf16)).scan_out
+    assert (both.has_d, both.has_z, both.occupancy) == (True, True, 2)
     for change in (dict(batch=1), dict(dstate=256), dict(chunk_size=128),
-                   dict(has_d=True, z_dtype=bf16)):
+                   dict(batch=2, has_d=True, z_dtype=bf16)):
         assert ssd.make_plan(replace(fused, **change)).scan_out is None, change
+
+
+@pytest.mark.parametrize("blocks, occupancy", [(128, None), (192, 2), (256, 2), (384, None),
+                                               (512, 2), (1024, 2)])
+def test_the_walk_pairs_its_blocks_where_the_h200_ran_them_faster_paired(blocks, occupancy):
+    """The block counts of the H200 A/B (132 SMs; experiments/ab_scan_out_occupancy_*): two
+    blocks to an SM won at 192, 256, 512 and 1024 blocks, lost at 128 and 384."""
+    assert ssd.scan_out_occupancy(blocks, ssd.REFERENCE_SM_COUNT) == occupancy
+
+
+def test_the_walk_pairing_follows_the_gpus_sm_count():
+    """The plan takes the SMs of the call's GPU: the first anchor's 512 blocks run in one round
+    alone on 512 SMs, and in two paired rounds against four alone on 132 (the default off a GPU)."""
+    fused = replace(anchor_key(), chunk_size=64, states_returned=False)
+    assert ssd.make_plan(fused, sms=512).scan_out.occupancy is None
+    assert ssd.make_plan(fused, sms=132) == ssd.make_plan(fused)
 
 
 @pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(8, 64, 1, 128), (4, 32, 8, 64),
