@@ -22,8 +22,9 @@ the same products. Why: at chunk 64 the stored states are the largest traffic of
 inputs and out), and the walk already holds each state when compute_out needs it. The cost:
 a block's chunks run in order, so only b * H * (P / P_BLOCK) blocks run, and C, B and the scores
 are read once per head instead of once per tile. On the H200 the walk took the first anchor's
-forward from 0.566 to 0.498 ms, and lost where 64 pairs leave SMs idle
-(kernels/ssd.py, at SCAN_OUT_MIN_ROW_HEADS, has the figures and what the dispatcher picks).
+forward from 0.566 to 0.498 ms, and to 0.419 with two blocks to an SM (the occupancy hint 2,
+``kernels.ssd.scan_out_occupancy``), and lost where 64 pairs leave SMs idle (kernels/ssd.py, at
+SCAN_OUT_MIN_ROW_HEADS, has the figures and what the dispatcher picks).
 """
 from __future__ import annotations
 
