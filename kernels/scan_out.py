@@ -36,8 +36,8 @@ import torch
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.state_scan import next_state, step_log2_cumsum
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants,
-                              is_16bit, kernel_signature, load_transposed, log2_decay_between,
-                              placeholder, precise_mma, scalar_constraint)
+                              kernel_signature, load_transposed, log2_decay_between,
+                              placeholder, precise_mma, scalar_constraint, silu_gated)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -109,15 +109,8 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
             if HAS_D:
                 y = y + d * x_c.astype(ct.float32)
             if HAS_Z:
-                z_f = ct.extract(z_all, (k, 0), shape=(CHUNK, P_BLOCK)).astype(ct.float32)
-                # As compute_out gates (its comment has the measurements): approximate exp and
-                # division into a 16-bit out, the exact form into a float32 one.
-                if is_16bit(out):
-                    y = y * ct.truediv(z_f, 1.0 + ct.exp(-z_f,
-                                                         rounding_mode=ct.RoundingMode.APPROX),
-                                       rounding_mode=ct.RoundingMode.APPROX)
-                else:
-                    y = y * (z_f / (1.0 + ct.exp(-z_f)))
+                y = silu_gated(y, ct.extract(z_all, (k, 0), shape=(CHUNK, P_BLOCK)).astype(
+                    ct.float32), out)
             if chunk < nchunks:
                 ct.store(out, (batch, chunk, head, p_block),
                          y.reshape((1, CHUNK, 1, P_BLOCK)).astype(out.dtype))

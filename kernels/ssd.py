@@ -816,8 +816,8 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     Arguments as ``mamba_chunk_scan_combined`` (kernels.contract documents them). chunk_size None
     picks per call (``default_chunk_size``: 64 with the fused state scan, or from 128 pairs the
     walk of kernels/scan_out.py, for calls with many (row, head) pairs that return out alone,
-    else 256); supported: 64, 128, 256. headdim and
-    dstate up to 256. Inputs may be non-contiguous (the kernels read through strides).
+    else 256); supported: 64, 128, 256. headdim and dstate up to 256. Inputs may be
+    non-contiguous (the kernels read through strides).
     state_dtype: dtype of the stored chunk states (default: x's dtype in 'input', else float32);
     precision: 'auto' (default), 'ieee', '3xtf32', 'tf32', 'input', '2xbf16', '3xbf16', '2xfp16'
     or '3xfp16' (see the module docstring).

@@ -189,6 +189,20 @@ def is_16bit(t):
 
 
 @ct.function
+def silu_gated(y, z, out):
+    """y z sigmoid(z), z float32, for the output array ``out``: z / (1 + e^-z), where e^-z = inf
+    for very negative z gives z / inf = -0. Into a 16-bit out, approximate exp and division
+    (~2^-21 relative, far below the output's rounding) spare the IEEE division's instructions:
+    compute_out with z and D per channel at the first anchor 0.956 -> 0.814 ms; 5.7e-6 of the
+    outputs changed, by at most 1.3e-3 of max|out| (experiments/ab_compute_out_gate_c8b44a4.txt).
+    A float32 out keeps the exact form."""
+    if is_16bit(out):
+        return y * ct.truediv(z, 1.0 + ct.exp(-z, rounding_mode=ct.RoundingMode.APPROX),
+                              rounding_mode=ct.RoundingMode.APPROX)
+    return y * (z / (1.0 + ct.exp(-z)))
+
+
+@ct.function
 def _round(a, DTYPE: ct.Constant):
     """float32 ``a`` rounded to nearest in DTYPE (tfloat32, bfloat16 or float16)."""
     return a.astype(DTYPE, rounding_mode=ct.RoundingMode.RN)
