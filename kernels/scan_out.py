@@ -26,14 +26,11 @@ forward from 0.566 to 0.498 ms, and to 0.419 with two blocks to an SM (the occup
 ``kernels.ssd.scan_out_occupancy``), and lost where 64 pairs leave SMs idle (kernels/ssd.py, at
 SCAN_OUT_MIN_ROW_HEADS, has the figures and what the dispatcher picks).
 
-``state_precision`` (on this branch, not yet dispatched nor timed): the mode of the state
-update's MMA apart from the output's, so that a call returning final states could walk too,
-its increments float32-grade in '3xbf16' as ``kernels.ssd.state_precision`` asks of them, its
-out in 'input'. On sm_90 at the first anchor: paired 128 registers with a 96-byte spill frame
-(10 tensor-core MMAs against 6), alone 168 registers, no spill, 185,872 bytes of shared memory.
-The dispatch still to write: ``fuses_out`` for bf16 'input' calls that return final states (not
-ssd_forward_stages, which needs the chunk states), ``StagePipeline.out`` handing the walk's
-final states to run_stages, and default_chunk_size picking 64 for them.
+``state_precision``: the mode of the state update's MMA apart from the output's, so that a
+call returning final states walks too, its increments float32-grade in '3xbf16' as
+``kernels.ssd.state_precision`` asks of them, its out in 'input' (``walk_state_precision``). On
+sm_90 at the first anchor: paired 128 registers with a 96-byte spill frame (10 tensor-core MMAs
+against 6), alone 168 registers, no spill, 185,872 bytes of shared memory. Not yet timed.
 """
 from __future__ import annotations
 
