@@ -139,6 +139,14 @@ QUICK_CASES = (
     case("bf16-out-only-walk-L900-Q64-b4-h64-n128-init-z-Dchannel", x_dtype="bf16",
          bc_dtype="bf16", batch=4, seqlen=900, nheads=64, ngroups=1, dstate=128, chunk_size=64,
          D="channel", z=True, initial_states=True, return_final_states=False),
+    # ... and returning final states (its state update in '3xbf16'), and in fp16 ('2xfp16'), at
+    # large magnitudes, where fp16's splits must not overflow.
+    case("bf16-final-states-walk-L900-Q64-b2-h64-n128-init", x_dtype="bf16", bc_dtype="bf16",
+         batch=2, seqlen=900, nheads=64, ngroups=1, dstate=128, chunk_size=64,
+         initial_states=True, return_final_states=True),
+    case("fp16-out-only-walk-L900-Q64-b2-h64-n128-large-magnitude-z", x_dtype="fp16",
+         bc_dtype="fp16", regime="large_magnitude", batch=2, seqlen=900, nheads=64, ngroups=1,
+         dstate=128, chunk_size=64, z=True, return_final_states=False),
     case("bf16-2xbf16-L1000-Q256-Dhead-z", precision="2xbf16", x_dtype="bf16", bc_dtype="bf16",
          seqlen=1000, chunk_size=256, D="head", z=True),
     # The fp16 splits (scaled fp16 terms), at fp16's default's cells.

@@ -30,7 +30,9 @@ SCAN_OUT_MIN_ROW_HEADS, has the figures and what the dispatcher picks).
 call returning final states walks too, its increments float32-grade in '3xbf16' as
 ``kernels.ssd.state_precision`` asks of them, its out in 'input' (``walk_state_precision``). On
 sm_90 at the first anchor: paired 128 registers with a 96-byte spill frame (10 tensor-core MMAs
-against 6), alone 168 registers, no spill, 185,872 bytes of shared memory. Not yet timed.
+against 6), alone 168 registers, no spill, 185,872 bytes of shared memory. fp16 x walks in
+'2xfp16' (``kernels.ssd.WALK_MODES``): 168 registers, no spill, 203,752 bytes (one block an SM,
+whatever the hint), 12 MMAs. Neither is timed yet.
 """
 from __future__ import annotations
 

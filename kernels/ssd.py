@@ -201,6 +201,10 @@ SCAN_OUT_MAX_DSTATE = 128
 # takes both (experiments/ab_scan_out_zd_a7cf504.txt, ab_scan_out_occupancy_2d1c4d7.txt,
 # ab_scan_out_occupancy_256_2d1c4d7.txt).
 SCAN_OUT_PAIRED_COST = 1.68
+# The mode the walk runs in for each x dtype: the dtype's default. fp16 x (its '2xfp16' default)
+# took chunk 256 and the two state kernels, 0.73x mamba_ssm's time at the first anchor (bench at
+# 06caff7); walked, not yet timed.
+WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
 REFERENCE_SM_COUNT = 132
@@ -563,8 +567,12 @@ def scan_out_occupancy(blocks: int, sms: int) -> Optional[int]:
     return 2 if rounds_paired * SCAN_OUT_PAIRED_COST < rounds_alone else None
 
 
-def walk_occupancy(key: ProblemKey, sms: int) -> Optional[int]:
-    """``scan_out_occupancy`` of the walk's blocks: one per (row, head, P_BLOCK channels)."""
+def walk_occupancy(key: ProblemKey, mode: str, sms: int) -> Optional[int]:
+    """``scan_out_occupancy`` of the walk's blocks, one per (row, head, P_BLOCK channels), in
+    'input'; None in '2xfp16', where on sm_90 the hint 2 compiles to the same code as none (168
+    registers, 203,752 bytes of shared memory at the first anchor: one block an SM)."""
+    if mode != "input":
+        return None
     p_block = min(max(MIN_TILE, next_pow2(key.headdim)), P_BLOCK)
     return scan_out_occupancy(key.batch * key.nheads * -(-key.headdim // p_block), sms)
 
@@ -572,13 +580,14 @@ def walk_occupancy(key: ProblemKey, sms: int) -> Optional[int]:
 def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
                          occupancy: Optional[int]) -> Optional[str]:
     """The mode of the walk's state update where stages 2 and 3 run as kernels/scan_out.py,
-    else None: a bf16 call in 'input' at chunk STATE_SCAN_CHUNK_SIZE, with
+    else None: a bf16 call in 'input' or an fp16 one in '2xfp16' (the defaults) at chunk
+    STATE_SCAN_CHUNK_SIZE, with
     SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, a state whose rows fit the kernel's
     registers, no packed sequences, not both z and D unless the walk's blocks run paired
-    (``scan_out_occupancy``), and no chunk states handed back. Out alone, the state update is in
-    'input' as the fused scan's; returning final states, in their float32-grade mode
-    (``state_precision``)."""
-    if not (mode == "input" and key.x_dtype == torch.bfloat16
+    (``scan_out_occupancy``), and no chunk states handed back. The state update is in the mode
+    ``state_precision`` gives the chunk states: out alone, 'input' (bf16) or '2xfp16'; returning
+    final states, their float32-grade mode."""
+    if not (WALK_MODES.get(key.x_dtype) == mode
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
             and next_pow2(key.dstate) <= SCAN_OUT_MAX_DSTATE
@@ -668,7 +677,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                precision=states_mode, has_start=key.start_dtype is not None,
                                wide=wide)
     walk = None
-    occupancy = walk_occupancy(key, sms)
+    occupancy = walk_occupancy(key, mode, sms)
     walk_states_mode = walk_state_precision(key, mode, states_mode, occupancy)
     if walk_states_mode is not None:
         walk = ScanOutConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
@@ -846,7 +855,7 @@ def default_chunk_size(problem: SSDProblem, precision: Optional[str] = None,
                                   varlen and problem.cu_seqlens is not None, wide=False)
     mode = resolve_precision(precision, key.x_dtype)
     states_mode = state_precision(mode, key.x_dtype, key.states_returned)
-    occupancy = walk_occupancy(key, sm_count(problem.x.device) or REFERENCE_SM_COUNT)
+    occupancy = walk_occupancy(key, mode, sm_count(problem.x.device) or REFERENCE_SM_COUNT)
     fused = (fuses_state_scan(key, states_mode)
              or walk_state_precision(key, mode, states_mode, occupancy) is not None)
     return STATE_SCAN_CHUNK_SIZE if fused else DEFAULT_CHUNK_SIZE

@@ -123,6 +123,12 @@ COVERING_KEYS = (
     *((f"anchor-{name}-q64-final-states-walk", replace(key, chunk_size=64), None, None)
       for name, key in (("b8-L4096-h64", _anchor(8, 4096, 64, 1)),
                         ("b4-L8192-h32-g8", _anchor(4, 8192, 32, 8)))),
+    # fp16 x in its '2xfp16' default walks too (kernels.ssd.WALK_MODES), one block an SM: out
+    # alone (states in '2xfp16') and with final states ('3xfp16').
+    *((f"anchor-b8-L4096-h64-q64-fp16-{name}-walk",
+       replace(_anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16, c_dtype=f16), chunk_size=64,
+               states_returned=returned), None, None)
+      for name, returned in (("out-only", False), ("final-states", True))),
     ("int64-b1-L139264-h256-q64-out-only-fused",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),
     ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,

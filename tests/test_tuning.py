@@ -167,6 +167,22 @@ def test_calls_returning_final_states_walk_with_float32_grade_increments():
                                  cu_dtype=torch.int32, nseq=2)).scan_out is None
 
 
+def test_fp16_calls_walk_in_their_default_mode_one_block_an_sm():
+    """fp16 x walks in '2xfp16' (``ssd.WALK_MODES``), its state update in the chunk states' mode
+    ('2xfp16' out alone, '3xfp16' with final states), one block an SM (the hint 2 compiles to
+    the same code on sm_90), and so not with both z and D; at chunk 64 by default."""
+    key = replace(anchor_key(), x_dtype=torch.float16, b_dtype=torch.float16,
+                  c_dtype=torch.float16)
+    assert ssd.default_chunk_size(_meta_problem(key)) == 64
+    alone = replace(key, chunk_size=64, states_returned=False)
+    walk = ssd.make_plan(alone).scan_out
+    assert (walk.precision, walk.state_precision, walk.occupancy) == ("2xfp16", "2xfp16", None)
+    assert ssd.make_plan(replace(alone, states_returned=True)).scan_out.state_precision == \
+        "3xfp16"
+    assert ssd.make_plan(replace(alone, has_d=True, z_dtype=torch.float16)).scan_out is None
+    assert ssd.make_plan(alone, precision="3xfp16").scan_out is None
+
+
 @pytest.mark.parametrize("blocks, occupancy", [(128, None), (192, 2), (256, 2), (384, None),
                                                (512, 2), (1024, 2)])
 def test_the_walk_pairs_its_blocks_where_the_h200_ran_them_faster_paired(blocks, occupancy):
