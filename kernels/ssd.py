@@ -203,7 +203,9 @@ SCAN_OUT_MAX_DSTATE = 128
 SCAN_OUT_PAIRED_COST = 1.68
 # The mode the walk runs in for each x dtype: the dtype's default. fp16 x (its '2xfp16' default)
 # took chunk 256 and the two state kernels, 0.73x mamba_ssm's time at the first anchor (bench at
-# 06caff7); walked, not yet timed.
+# 06caff7); walked, not yet timed. Not float32 x ('3xbf16'): its walk spills 120 bytes on sm_90
+# (255 registers, 36 MMAs a chunk) and tileiras 13.4 fails to compile it for sm_80 ("defOp must
+# be scheduled BEFORE useOp").
 WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
