@@ -130,15 +130,23 @@ QUICK_CASES = (
          batch=1, seqlen=1000, nheads=64, ngroups=1, dstate=128, chunk_size=128, D="head", z=True,
          initial_states=True, return_final_states=False),
     # ... and through kernels/scan_out.py's walk (no chunk state stored), 15 chunks at chunk 64,
-    # the last partial: 128 (row, head) pairs, one block to an SM, D per channel (so, without z:
-    # ssd.fuses_out); 256 pairs, two blocks to an SM on the H200 (ssd.scan_out_occupancy), with
-    # z and D per channel.
+    # the last partial: 128 (row, head) pairs, one block to an SM, D per channel (so, without
+    # z: ssd.walk_state_precision); 256 pairs, two blocks to an SM on the H200
+    # (ssd.scan_out_occupancy), with z and D per channel.
     case("bf16-out-only-walk-L900-Q64-b2-h64-n128-init-Dchannel", x_dtype="bf16",
          bc_dtype="bf16", batch=2, seqlen=900, nheads=64, ngroups=1, dstate=128, chunk_size=64,
          D="channel", initial_states=True, return_final_states=False),
     case("bf16-out-only-walk-L900-Q64-b4-h64-n128-init-z-Dchannel", x_dtype="bf16",
          bc_dtype="bf16", batch=4, seqlen=900, nheads=64, ngroups=1, dstate=128, chunk_size=64,
          D="channel", z=True, initial_states=True, return_final_states=False),
+    # ... and returning final states (its state update in '3xbf16'), and in fp16 ('2xfp16'), at
+    # large magnitudes, where fp16's splits must not overflow.
+    case("bf16-final-states-walk-L900-Q64-b2-h64-n128-init", x_dtype="bf16", bc_dtype="bf16",
+         batch=2, seqlen=900, nheads=64, ngroups=1, dstate=128, chunk_size=64,
+         initial_states=True, return_final_states=True),
+    case("fp16-out-only-walk-L900-Q64-b2-h64-n128-large-magnitude-z", x_dtype="fp16",
+         bc_dtype="fp16", regime="large_magnitude", batch=2, seqlen=900, nheads=64, ngroups=1,
+         dstate=128, chunk_size=64, z=True, return_final_states=False),
     case("bf16-2xbf16-L1000-Q256-Dhead-z", precision="2xbf16", x_dtype="bf16", bc_dtype="bf16",
          seqlen=1000, chunk_size=256, D="head", z=True),
     # The fp16 splits (scaled fp16 terms), at fp16's default's cells.
@@ -357,11 +365,16 @@ def check_problem(problem: SSDProblem, precision=None, chunk_state_dtype=None,
                            state_dtype=chunk_state_dtype or torch.float32)
     ours = dict(out=result.out, final_states=result.final_states,
                 varlen_states=result.varlen_states, **result.stages)
-    if not (problem.return_final_states or problem.return_varlen_states):
-        # ssd_forward's out for a call that returns out alone: its chunk states are computed
-        # as that call computes them (kernels.ssd.state_precision); the stages above as always.
-        ours["out"] = run_stages(problem, state_dtype=chunk_state_dtype, precision=precision,
-                                 states_returned=False).out
+    if not problem.return_varlen_states:
+        # ssd_forward's out (and final states) as the call computes them: out alone, its chunk
+        # states in its own mode (kernels.ssd.state_precision); either way through the walk of
+        # kernels/scan_out.py where the dispatcher takes it, which stores no chunk state. The
+        # stages above as always.
+        call = run_stages(problem, state_dtype=chunk_state_dtype, precision=precision,
+                          states_returned=problem.return_final_states)
+        ours["out"] = call.out
+        if problem.return_final_states:
+            ours["final_states"] = call.final_states
     baseline = dict(out=base.out, final_states=base.final_states,
                     varlen_states=base.varlen_states, **base.stages)
     dtypes = dict(out=problem.x.dtype, final_states=torch.float32, varlen_states=torch.float32,

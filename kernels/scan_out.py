@@ -25,6 +25,15 @@ are read once per head instead of once per tile. On the H200 the walk took the f
 forward from 0.566 to 0.498 ms, and to 0.419 with two blocks to an SM (the occupancy hint 2,
 ``kernels.ssd.scan_out_occupancy``), and lost where 64 pairs leave SMs idle (kernels/ssd.py, at
 SCAN_OUT_MIN_ROW_HEADS, has the figures and what the dispatcher picks).
+
+``state_precision``: the mode of the state update's MMA apart from the output's, so that a
+call returning final states walks too, its increments float32-grade in '3xbf16' as
+``kernels.ssd.state_precision`` asks of them, its out in 'input' (``walk_state_precision``). On
+sm_90 at the first anchor: paired 128 registers with a 96-byte spill frame (10 tensor-core MMAs
+against 6), alone 168 registers, no spill, 185,872 bytes of shared memory. fp16 x walks in
+'2xfp16' (``kernels.ssd.WALK_MODES``): 168 registers, no spill, 203,752 bytes (one block an SM,
+whatever the hint), 12 MMAs. On the H200 both beat the chunk-256 path those calls took before
+(0.41-0.77x; kernels/ssd.py, at WALK_MODES, has the figures).
 """
 from __future__ import annotations
 
@@ -47,7 +56,8 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     CHUNK: ct.Constant[int], P_BLOCK: ct.Constant[int], N_PAD: ct.Constant[int],
                     MODE: ct.Constant[int], HAS_START: ct.Constant[bool],
                     HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
-                    SHARED_SCORES: ct.Constant[bool], STEP: ct.Constant[int]):
+                    SHARED_SCORES: ct.Constant[bool], STEP: ct.Constant[int],
+                    STATE_MODE: ct.Constant[int]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -115,7 +125,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 ct.store(out, (batch, chunk, head, p_block),
                          y.reshape((1, CHUNK, 1, P_BLOCK)).astype(out.dtype))
 
-            h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, MODE, P_BLOCK, N_PAD, CHUNK)
+            h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK, N_PAD, CHUNK)
     ct.store(final_states, (batch, head, p_block, 0), h.reshape((1, 1, P_BLOCK, N_PAD)))
 
 
@@ -137,6 +147,7 @@ class ScanOutConfig(KernelVariant):
     p_block: int = 64
     n_pad: int = 128
     precision: str = "input"
+    state_precision: str = "input"
     has_start: bool = False
     has_d: bool = False
     has_z: bool = False
@@ -148,7 +159,8 @@ class ScanOutConfig(KernelVariant):
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,
-                self.has_d, self.has_z, self.shared_scores, self.chunks_per_step)
+                self.has_d, self.has_z, self.shared_scores, self.chunks_per_step,
+                MODE[self.state_precision])
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""

@@ -11,8 +11,9 @@ is ``kernels.contract``).
                     (from 8 heads per group, after the scores C.B^T of     kernels/chunk_scores.py
                     each chunk, once per group)
 
-At chunk 64, for calls of many (row, head) pairs that return out alone, the last two stages run
-as one kernel that stores no chunk state (kernels/scan_out.py; ``fuses_out``).
+At chunk 64, for bf16 and fp16 calls of many (row, head) pairs that return out alone or with
+final states, the last two stages run as one kernel that stores no chunk state (kernels/scan_out.py;
+``walk_state_precision``).
 
 Precision (``precision=``; kernels/tile_ops.py says what each mode computes). Errors below are
 normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
@@ -173,8 +174,8 @@ STATE_SCAN_MIN_ROW_HEADS = 64
 # ab_state_scan_436fba5.txt).
 STATE_SCAN_TILES = (64, 128)
 STATE_SCAN_MIN_BLOCKS = 128
-# The scan and compute_out as one walk (kernels/scan_out.py, ``fuses_out``): no chunk state
-# stored, but one block per (row, head, P block) walks every chunk in order, with the whole
+# The scan and compute_out as one walk (kernels/scan_out.py, ``walk_state_precision``): no chunk
+# state stored, but one block per (row, head, P block) walks every chunk in order, with the whole
 # state (dstate up to SCAN_OUT_MAX_DSTATE) in registers. Measured on the H200 against the fused
 # scan then compute_out, both at chunk 64, one block per SM: 0.84-0.89x from 128 to 1024 (row,
 # head) pairs at H64 (first anchor 0.568 -> 0.500 ms), a tie at the second anchor's 128 pairs
@@ -200,6 +201,14 @@ SCAN_OUT_MAX_DSTATE = 128
 # takes both (experiments/ab_scan_out_zd_a7cf504.txt, ab_scan_out_occupancy_2d1c4d7.txt,
 # ab_scan_out_occupancy_256_2d1c4d7.txt).
 SCAN_OUT_PAIRED_COST = 1.68
+# The mode the walk runs in for each x dtype: the dtype's default. Measured on the H200 against
+# chunk 256 and the two state kernels, which such calls took before: fp16 x (its '2xfp16'
+# default) 0.41-0.77x (first anchor 1.49 -> 1.09 ms out alone), bf16 x returning final states
+# (their update in '3xbf16') 0.55-0.77x (first anchor 0.93 -> 0.56 ms), the final states
+# 4-5e-8 apart (experiments/ab_walk_modes_ebba46f.txt). Not float32 x ('3xbf16'): its walk spills 120 bytes on sm_90
+# (255 registers, 36 MMAs a chunk) and tileiras 13.4 fails to compile it for sm_80 ("defOp must
+# be scheduled BEFORE useOp").
+WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
 REFERENCE_SM_COUNT = 132
@@ -270,10 +279,13 @@ class ProblemKey:
     # The call hands back final or varlen states (or every stage): else the chunk states only
     # feed compute_out (``state_precision``).
     states_returned: bool = True
+    # Every stage is handed back, the chunk states too (``ssd_forward_stages``): no walk.
+    chunk_states_returned: bool = False
 
     @classmethod
     def from_problem(cls, p: SSDProblem, varlen: bool, wide: bool,
-                     states_returned: Optional[bool] = None) -> "ProblemKey":
+                     states_returned: Optional[bool] = None,
+                     chunk_states_returned: bool = False) -> "ProblemKey":
         """states_returned None: whether ``p`` asks for final or varlen states."""
         if states_returned is None:
             states_returned = p.return_final_states or p.return_varlen_states
@@ -293,7 +305,8 @@ class ProblemKey:
                    has_bias=p.dt_bias is not None,
                    softplus=p.dt_softplus, has_limit=p.has_dt_limit,
                    per_seq_start=p.per_sequence_initial_states, varlen=varlen, wide=wide,
-                   states_returned=states_returned)
+                   states_returned=states_returned,
+                   chunk_states_returned=chunk_states_returned)
 
     @property
     def nchunks(self) -> int:
@@ -558,15 +571,34 @@ def scan_out_occupancy(blocks: int, sms: int) -> Optional[int]:
     return 2 if rounds_paired * SCAN_OUT_PAIRED_COST < rounds_alone else None
 
 
-def fuses_out(key: ProblemKey, states_mode: str, occupancy: Optional[int]) -> bool:
-    """Whether stages 2 and 3 run as kernels/scan_out.py: a call the fused scan takes at chunk
-    STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, a state
-    whose rows fit the kernel's registers, and not both z and D unless the walk's blocks run
-    paired (``scan_out_occupancy``)."""
-    return (fuses_state_scan(key, states_mode) and key.chunk_size == STATE_SCAN_CHUNK_SIZE
+def walk_occupancy(key: ProblemKey, mode: str, sms: int) -> Optional[int]:
+    """``scan_out_occupancy`` of the walk's blocks, one per (row, head, P_BLOCK channels), in
+    'input'; None in '2xfp16', where on sm_90 the hint 2 compiles to the same code as none (168
+    registers, 203,752 bytes of shared memory at the first anchor: one block an SM)."""
+    if mode != "input":
+        return None
+    p_block = min(max(MIN_TILE, next_pow2(key.headdim)), P_BLOCK)
+    return scan_out_occupancy(key.batch * key.nheads * -(-key.headdim // p_block), sms)
+
+
+def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
+                         occupancy: Optional[int]) -> Optional[str]:
+    """The mode of the walk's state update where stages 2 and 3 run as kernels/scan_out.py,
+    else None: a bf16 call in 'input' or an fp16 one in '2xfp16' (the defaults) at chunk
+    STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, a state whose rows fit the kernel's
+    registers, no packed sequences, not both z and D unless the walk's blocks run paired
+    (``scan_out_occupancy``), and no chunk states handed back. The state update is in the mode
+    ``state_precision`` gives the chunk states: out alone, 'input' (bf16) or '2xfp16'; returning
+    final states, their float32-grade mode."""
+    if not (WALK_MODES.get(key.x_dtype) == mode
+            and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
             and next_pow2(key.dstate) <= SCAN_OUT_MAX_DSTATE
-            and (occupancy == 2 or not (key.has_d and key.z_dtype is not None)))
+            and key.seq_dtype is None and not key.per_seq_start and not key.varlen
+            and not key.chunk_states_returned
+            and (occupancy == 2 or not (key.has_d and key.z_dtype is not None))):
+        return None
+    return states_mode
 
 
 def make_plan(key: ProblemKey, state_dtype: Optional[torch.dtype] = None,
@@ -648,16 +680,18 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                precision=states_mode, has_start=key.start_dtype is not None,
                                wide=wide)
     walk = None
-    walk_occupancy = scan_out_occupancy(key.batch * key.nheads * -(-key.headdim // p_block), sms)
-    if fuses_out(key, states_mode, walk_occupancy):
+    occupancy = walk_occupancy(key, mode, sms)
+    walk_states_mode = walk_state_precision(key, mode, states_mode, occupancy)
+    if walk_states_mode is not None:
         walk = ScanOutConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
                              z_dtype=key.z_dtype or key.x_dtype, start_dtype=key.start_dtype or f32,
                              chunk_size=Q, p_block=p_block, n_pad=n_pad, precision=mode,
+                             state_precision=walk_states_mode,
                              has_start=key.start_dtype is not None, has_d=key.has_d,
                              has_z=key.z_dtype is not None,
                              shared_scores=(shares_scores(key)
                                             and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE),
-                             wide=wide, occupancy=walk_occupancy)
+                             wide=wide, occupancy=occupancy)
     return Plan(cumsum, chunk_state, passing, out, scan, walk)
 
 
@@ -672,11 +706,13 @@ def _check_supported(problem: SSDProblem, state_dtype) -> None:
         raise SSDInputError(f"state_dtype: expected one of {STATE_DTYPES}, got {state_dtype}")
 
 
-def _key(problem: SSDProblem, varlen: bool, states_returned: Optional[bool]) -> ProblemKey:
+def _key(problem: SSDProblem, varlen: bool, states_returned: Optional[bool],
+         chunk_states_returned: bool = False) -> ProblemKey:
     """The call's key; ``wide`` when any array the kernels touch spans 2^31 elements, strides of
     the inputs included (else left to the sizes, which decide it alike for contiguous outputs)."""
     key = ProblemKey.from_problem(problem, varlen=varlen, wide=None,
-                                  states_returned=states_returned)
+                                  states_returned=states_returned,
+                                  chunk_states_returned=chunk_states_returned)
     if not key.needs_int64() and needs_int64(problem.x, problem.B, problem.C, problem.z,
                                              problem.initial_states):
         key = replace(key, wide=True)
@@ -703,7 +739,7 @@ class StagePipeline:
 
     def states(self, dt, log2_cumsum, stream=None):
         """(chunk_states, final_states, varlen_states); all None where kernels/scan_out.py
-        computes the states and the output in one walk (``out``), storing no state."""
+        computes the states and the output in one walk (``walk``), storing no chunk state."""
         p = self.problem
         if self.plan.scan_out is not None:
             return None, None, None
@@ -717,20 +753,28 @@ class StagePipeline:
                         varlen=self.varlen),
             self.plan.chunk_state, self.plan.state_passing, stream)
 
+    def _d(self):
+        # D per head reaches the kernels as a (nheads, headdim) view of stride 0 along headdim:
+        # out equal bit for bit to a copied D, without the copy's launch (24 us of host time a
+        # call on the H200, reports/h200/experiments/host_parts_2302d94.txt).
+        p = self.problem
+        if p.D is None:
+            return None
+        return p.D.to(torch.float32).reshape(p.nheads, -1).expand(p.nheads, p.headdim)
+
+    def walk(self, dt, log2_cumsum, stream=None):
+        """(out, final_states) of kernels/scan_out.py's walk, where the plan has one."""
+        p = self.problem
+        return scan_out(p.x, p.B, p.C, dt, log2_cumsum, p.initial_states, self._d(), p.z,
+                        self.plan.scan_out, stream)
+
     def out(self, dt, log2_cumsum, chunk_states, stream=None):
         p = self.problem
-        D = None
-        if p.D is not None:
-            # D per head reaches the kernel as a (nheads, headdim) view of stride 0 along headdim:
-            # out equal bit for bit to a copied D, without the copy's launch (24 us of host time
-            # a call on the H200, reports/h200/experiments/host_parts_2302d94.txt).
-            D = p.D.to(torch.float32).reshape(p.nheads, -1).expand(p.nheads, p.headdim)
         if self.plan.scan_out is not None:
-            return scan_out(p.x, p.B, p.C, dt, log2_cumsum, p.initial_states, D, p.z,
-                            self.plan.scan_out, stream)[0]
+            return self.walk(dt, log2_cumsum, stream)[0]
         return compute_out(
             OutInputs(x=p.x, B=p.B, C=p.C, dt=dt, log2_decay_cumsum=log2_cumsum, A=self.A,
-                      chunk_states=chunk_states, D=D, z=p.z, seq_idx=self.seq_idx,
+                      chunk_states=chunk_states, D=self._d(), z=p.z, seq_idx=self.seq_idx,
                       start_states=p.initial_states if p.per_sequence_initial_states else None,
                       cu_seqlens=p.cu_seqlens),
             self.plan.out, stream)
@@ -738,12 +782,14 @@ class StagePipeline:
 
 def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[str] = None,
                    varlen: Optional[bool] = None,
-                   states_returned: Optional[bool] = None) -> StagePipeline:
+                   states_returned: Optional[bool] = None,
+                   chunk_states: bool = False) -> StagePipeline:
     """Check what the kernels support and pick their variants for a validated problem.
 
     varlen: compute varlen_states (default: whenever cu_seqlens is given). states_returned:
     whether the caller uses any states (default: whether the problem asks for final or varlen
-    states; ``ProblemKey.states_returned``).
+    states; ``ProblemKey.states_returned``). chunk_states: the chunk states are wanted too (no
+    walk of kernels/scan_out.py, which stores none).
     """
     state_dtype = resolve_state_dtype(state_dtype, resolve_precision(precision, problem.x.dtype),
                                       problem.x.dtype)
@@ -751,8 +797,8 @@ def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[st
     require_gpu(problem.x)
     varlen = problem.cu_seqlens is not None if varlen is None else bool(varlen and
                                                                        problem.cu_seqlens is not None)
-    plan = make_plan(_key(problem, varlen, states_returned), state_dtype, precision,
-                     sm_count(problem.x.device))
+    plan = make_plan(_key(problem, varlen, states_returned, chunk_states), state_dtype,
+                     precision, sm_count(problem.x.device))
     p = problem
     seq_idx = p.seq_idx
     if seq_idx is None and p.cu_seqlens is not None:
@@ -764,17 +810,23 @@ def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[st
 
 
 def run_stages(problem: SSDProblem, state_dtype=None, precision: Optional[str] = None,
-               varlen: Optional[bool] = None,
-               states_returned: Optional[bool] = None) -> SSDResult:
-    """All three kernels on a validated problem; every stage in ``stages``."""
-    pipeline = stage_pipeline(problem, state_dtype, precision, varlen, states_returned)
+               varlen: Optional[bool] = None, states_returned: Optional[bool] = None,
+               chunk_states: bool = False) -> SSDResult:
+    """All three kernels on a validated problem; every stage in ``stages`` (chunk_states None
+    where the walk of kernels/scan_out.py runs, unless ``chunk_states`` asks for them)."""
+    pipeline = stage_pipeline(problem, state_dtype, precision, varlen, states_returned,
+                              chunk_states)
     # Looked up once, not per launch: 23 us a lookup under cProfile on the H200's host, of the
     # ~650 us a profiled b1 L512 call took there, which small problems pay in full
     # (reports/h200/experiments/host_profile_cc5b8d4.txt).
     stream = torch.cuda.current_stream()
     dt, log2_cumsum = pipeline.cumsum(stream)
-    chunk_states, final_states, varlen_states = pipeline.states(dt, log2_cumsum, stream)
-    out = pipeline.out(dt, log2_cumsum, chunk_states, stream)
+    if pipeline.plan.scan_out is not None:
+        chunk_states = varlen_states = None
+        out, final_states = pipeline.walk(dt, log2_cumsum, stream)
+    else:
+        chunk_states, final_states, varlen_states = pipeline.states(dt, log2_cumsum, stream)
+        out = pipeline.out(dt, log2_cumsum, chunk_states, stream)
     return SSDResult(out=out, final_states=final_states, varlen_states=varlen_states,
                      stages={"dt": dt, "log2_decay_cumsum": log2_cumsum[..., 0, :],
                              "chunk_states": chunk_states})
@@ -789,21 +841,26 @@ def ssd_forward_stages(problem: SSDProblem, *, state_dtype=None,
     if problem.chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise SSDInputError(f"chunk_size: expected one of {SUPPORTED_CHUNK_SIZES} (the cuTile "
                             f"kernels), got {problem.chunk_size}")
-    return run_stages(problem, state_dtype=state_dtype, precision=precision, states_returned=True)
+    return run_stages(problem, state_dtype=state_dtype, precision=precision, states_returned=True,
+                      chunk_states=True)
 
 
 def default_chunk_size(problem: SSDProblem, precision: Optional[str] = None,
                        varlen: bool = False) -> int:
     """The chunk size ``ssd_forward(chunk_size=None)`` runs ``problem`` at (its own chunk_size
-    is ignored): STATE_SCAN_CHUNK_SIZE where the fused state scan takes the call
-    (``fuses_state_scan``), else DEFAULT_CHUNK_SIZE."""
+    is ignored): STATE_SCAN_CHUNK_SIZE where the fused state scan or the walk of
+    kernels/scan_out.py takes the call (``fuses_state_scan``, ``walk_state_precision``), else
+    DEFAULT_CHUNK_SIZE."""
     if problem.batch * problem.nheads < STATE_SCAN_MIN_ROW_HEADS:
         return DEFAULT_CHUNK_SIZE
     # The rule reads no index width: the key skips _key's 2^31 checks of the tensors.
     key = ProblemKey.from_problem(replace(problem, chunk_size=STATE_SCAN_CHUNK_SIZE),
                                   varlen and problem.cu_seqlens is not None, wide=False)
     mode = resolve_precision(precision, key.x_dtype)
-    fused = fuses_state_scan(key, state_precision(mode, key.x_dtype, key.states_returned))
+    states_mode = state_precision(mode, key.x_dtype, key.states_returned)
+    occupancy = walk_occupancy(key, mode, sm_count(problem.x.device) or REFERENCE_SM_COUNT)
+    fused = (fuses_state_scan(key, states_mode)
+             or walk_state_precision(key, mode, states_mode, occupancy) is not None)
     return STATE_SCAN_CHUNK_SIZE if fused else DEFAULT_CHUNK_SIZE
 
 
@@ -814,10 +871,11 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     """Mamba-2 SSD forward: out [, final_states] [, varlen_states], as mamba_ssm returns them.
 
     Arguments as ``mamba_chunk_scan_combined`` (kernels.contract documents them). chunk_size None
-    picks per call (``default_chunk_size``: 64 with the fused state scan, or from 128 pairs the
-    walk of kernels/scan_out.py, for calls with many (row, head) pairs that return out alone,
-    else 256); supported: 64, 128, 256. headdim and dstate up to 256. Inputs may be
-    non-contiguous (the kernels read through strides).
+    picks per call (``default_chunk_size``: 64 with the fused state scan for calls with many
+    (row, head) pairs that return out alone, or from 128 pairs the walk of kernels/scan_out.py
+    for bf16 and fp16 calls that return out alone or with final states, else 256); supported:
+    64, 128, 256. headdim and dstate up to 256. Inputs may be non-contiguous (the kernels read
+    through strides).
     state_dtype: dtype of the stored chunk states (default: x's dtype in 'input', else float32);
     precision: 'auto' (default), 'ieee', '3xtf32', 'tf32', 'input', '2xbf16', '3xbf16', '2xfp16'
     or '3xfp16' (see the module docstring).

@@ -94,8 +94,8 @@ COVERING_KEYS = (
      replace(_anchor(8, 4096, 64, 1, has_d=True, d_per_channel=True, z_dtype=bf16),
              states_returned=False), None, None),
     # chunk_size=None's pick for these out-alone calls, chunk 64: from 128 (row, head) pairs the
-    # walk of kernels/scan_out.py (kernels.ssd.fuses_out; shared scores, or its own for 32 heads
-    # in 8 groups and at dstate 64), else the fused state scan two chunks a step
+    # walk of kernels/scan_out.py (kernels.ssd.walk_state_precision; shared scores, or its own
+    # for 32 heads in 8 groups and at dstate 64), else the fused state scan two chunks a step
     # (kernels.ssd.fuses_state_scan): 64 x 64 tiles for one row of 64 heads
     # (kernels.ssd.state_scan_tiles), 64 x 128 at dstate 256, which the walk does not take. The
     # walk's blocks run two to an SM at the first anchor's 512 (on the reference 132 SMs:
@@ -118,6 +118,17 @@ COVERING_KEYS = (
     ("anchor-b2-L4096-h64-q64-out-only-fused-z-d-per-channel",
      replace(_anchor(2, 4096, 64, 1, has_d=True, d_per_channel=True, z_dtype=bf16),
              chunk_size=64, states_returned=False), None, None),
+    # Calls that return final states, from 128 (row, head) pairs at chunk 64: the walk with its
+    # state update in '3xbf16' (kernels.ssd.walk_state_precision), paired and alone.
+    *((f"anchor-{name}-q64-final-states-walk", replace(key, chunk_size=64), None, None)
+      for name, key in (("b8-L4096-h64", _anchor(8, 4096, 64, 1)),
+                        ("b4-L8192-h32-g8", _anchor(4, 8192, 32, 8)))),
+    # fp16 x in its '2xfp16' default walks too (kernels.ssd.WALK_MODES), one block an SM: out
+    # alone (states in '2xfp16') and with final states ('3xfp16').
+    *((f"anchor-b8-L4096-h64-q64-fp16-{name}-walk",
+       replace(_anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16, c_dtype=f16), chunk_size=64,
+               states_returned=returned), None, None)
+      for name, returned in (("out-only", False), ("final-states", True))),
     ("int64-b1-L139264-h256-q64-out-only-fused",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),
     ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,

@@ -449,21 +449,28 @@ def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_b
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("D, z, dstate", [(None, False, 128), ("head", False, 128),
-                                          (None, True, 128), ("channel", True, 128),
-                                          (None, False, 64)])
-def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate):
-    """chunk_size=None at 512 (row, head) pairs, out alone: kernels/scan_out.py as the
-    dispatcher runs it (``ssd.fuses_out``; its own scores at dstate 64; two blocks to an SM on
-    the H200, ``ssd.scan_out_occupancy``, and so with both z and D), out held to the rule
-    against float64 over 15 chunks, the last partial."""
+@pytest.mark.parametrize("D, z, dstate, final_states, dtype", [
+    (None, False, 128, False, "bf16"), ("head", False, 128, False, "bf16"),
+    (None, True, 128, False, "bf16"), ("channel", True, 128, False, "bf16"),
+    (None, False, 64, False, "bf16"), (None, False, 128, True, "bf16"),
+    ("channel", True, 128, True, "bf16"), (None, False, 128, False, "fp16"),
+    ("channel", False, 128, True, "fp16")])
+def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate, final_states, dtype):
+    """chunk_size=None at 512 (row, head) pairs: kernels/scan_out.py as the dispatcher runs it
+    (``ssd.walk_state_precision``; its own scores at dstate 64; in bf16 two blocks to an SM on
+    the H200, ``ssd.scan_out_occupancy``, and so with both z and D; fp16 in '2xfp16'), out
+    alone or with the final states (its state update then float32-grade: '3xbf16', '3xfp16'),
+    each held to the rule against float64 over 15 chunks, the last partial."""
     from kernels.gpu_check import check_problem
     from kernels.ssd import default_chunk_size, stage_pipeline
     spec = ProblemSpec(batch=8, seqlen=900, nheads=64, headdim=64, dstate=dstate, ngroups=1,
-                       chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
-                       initial_states=True, return_final_states=False)
+                       chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D=D, z=z,
+                       initial_states=True, return_final_states=final_states)
     problem = build_problem(spec, "cuda")
     assert default_chunk_size(problem) == 64
-    assert stage_pipeline(problem, states_returned=False).plan.scan_out is not None
+    walk = stage_pipeline(problem).plan.scan_out
+    assert walk.state_precision == {("bf16", False): "input", ("bf16", True): "3xbf16",
+                                    ("fp16", False): "2xfp16",
+                                    ("fp16", True): "3xfp16"}[dtype, final_states]
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]

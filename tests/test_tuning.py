@@ -149,6 +149,40 @@ def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
         assert ssd.make_plan(replace(fused, **change)).scan_out is None, change
 
 
+def test_calls_returning_final_states_walk_with_float32_grade_increments():
+    """From 128 (row, head) pairs a bf16 call that returns final states runs at chunk 64 as the
+    walk, its state update in '3xbf16' (``ssd.state_precision``'s mode for returned states), its
+    out in 'input'; not where every stage is handed back (``ssd_forward_stages``: the chunk
+    states too), nor with varlen states."""
+    key = anchor_key()
+    assert ssd.default_chunk_size(_meta_problem(key, return_final_states=True)) == 64
+    returned = replace(key, chunk_size=64, states_returned=True)
+    walk = ssd.make_plan(returned).scan_out
+    assert (walk.precision, walk.state_precision, walk.occupancy) == ("input", "3xbf16", 2)
+    assert ssd.make_plan(replace(returned, states_returned=False)).scan_out.state_precision == \
+        "input"
+    stages = ssd.make_plan(replace(returned, chunk_states_returned=True))
+    assert stages.scan_out is None and "chunk_state" in dict(stages.named_configs())
+    assert ssd.make_plan(replace(returned, varlen=True, seq_dtype=torch.int32,
+                                 cu_dtype=torch.int32, nseq=2)).scan_out is None
+
+
+def test_fp16_calls_walk_in_their_default_mode_one_block_an_sm():
+    """fp16 x walks in '2xfp16' (``ssd.WALK_MODES``), its state update in the chunk states' mode
+    ('2xfp16' out alone, '3xfp16' with final states), one block an SM (the hint 2 compiles to
+    the same code on sm_90), and so not with both z and D; at chunk 64 by default."""
+    key = replace(anchor_key(), x_dtype=torch.float16, b_dtype=torch.float16,
+                  c_dtype=torch.float16)
+    assert ssd.default_chunk_size(_meta_problem(key)) == 64
+    alone = replace(key, chunk_size=64, states_returned=False)
+    walk = ssd.make_plan(alone).scan_out
+    assert (walk.precision, walk.state_precision, walk.occupancy) == ("2xfp16", "2xfp16", None)
+    assert ssd.make_plan(replace(alone, states_returned=True)).scan_out.state_precision == \
+        "3xfp16"
+    assert ssd.make_plan(replace(alone, has_d=True, z_dtype=torch.float16)).scan_out is None
+    assert ssd.make_plan(alone, precision="3xfp16").scan_out is None
+
+
 @pytest.mark.parametrize("blocks, occupancy", [(128, None), (192, 2), (256, 2), (384, None),
                                                (512, 2), (1024, 2)])
 def test_the_walk_pairs_its_blocks_where_the_h200_ran_them_faster_paired(blocks, occupancy):
@@ -235,13 +269,15 @@ def test_a_fused_record_makes_an_entry_of_the_scan_and_compute_out(tmp_path, mon
 @pytest.mark.parametrize("change", ["long_single_row", "final_states", "seq_idx", "fp32",
                                     "chunk_256"])
 def test_the_two_state_kernels_keep_what_the_scan_does_not_take(change):
-    """Fewer than 64 (row, head) pairs, returned states (float32-grade sums), packed sequences,
-    float32 x, or an explicit chunk 256: chunk_state and the state passing."""
+    """Fewer than 64 (row, head) pairs, returned states (float32-grade sums) where the walk does
+    not take them (64 pairs), packed sequences, float32 x, or an explicit chunk 256: chunk_state
+    and the state passing."""
     key = anchor_key()
     problem_changes = {}
     if change == "long_single_row":
         key = replace(key, batch=1, seqlen=65536, nheads=32)
     elif change == "final_states":
+        key = replace(key, batch=1)
         problem_changes = dict(return_final_states=True)
     elif change == "seq_idx":
         key = replace(key, seq_dtype=torch.int32)
