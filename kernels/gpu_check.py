@@ -47,7 +47,7 @@ from oracles.chunked_reference import chunked_ssd
 from oracles.common import chunk_boundaries
 from oracles.sequential import sequential_ssd
 from properties.bench import flush_l2
-from properties.metrics import error_metrics, owed_finite, ulp
+from properties.metrics import error_metrics, overflow_threshold, owed_finite, ulp
 from properties.problems import DTYPES, ProblemSpec, build_problem
 from properties.tolerances import tolerance
 
@@ -243,24 +243,34 @@ def grid(full: bool = False) -> tuple[GpuCase, ...]:
 
 def compare(stage: str, actual: torch.Tensor, exact: torch.Tensor, baseline: torch.Tensor,
             dtype: torch.dtype, floor_ulps: float = FLOOR_ULPS) -> dict:
-    """The rule for one quantity: errors of the kernel and of the float32 baseline vs exact."""
+    """The rule for one quantity: errors of the kernel and of the float32 baseline vs exact.
+
+    A finite answer is owed where the exact value rounds finite in ``dtype``, except within the
+    allowed error of the overflow threshold: there an answer within the rule may round to inf
+    (the H200 met an exact fp16 out of 65519.976, 0.024 below 65520, that every path, main's
+    chunk 256 included, gave as inf at errors of ~16 elsewhere). Those infs (not NaNs) are excused
+    and counted (``boundary_nonfinite``); a finite answer there is judged as any other."""
     exact = exact.to(torch.float64)
     owed = owed_finite(exact, dtype)
     got = actual.detach().to(exact.device, torch.float64)[owed]
     base = baseline.detach().to(exact.device, torch.float64)[owed]
     e = exact[owed]
-    finite = bool(torch.isfinite(got).all())
-    err = float((got - e).abs().max()) if e.numel() and finite else (0.0 if finite else math.inf)
     base_err = float((base - e).abs().max()) if e.numel() else 0.0
     scale = float(e.abs().max()) if e.numel() else 0.0
     floor = floor_ulps * float(ulp(torch.tensor(scale, dtype=torch.float64), dtype)) + \
         torch.finfo(dtype).tiny
     k = tolerance(stage, dtype).k
     allowed = k * base_err + floor
-    metrics = error_metrics(actual, exact, dtype)
+    got_finite = torch.isfinite(got)
+    excused = torch.isinf(got) & (e.abs() + allowed >= overflow_threshold(dtype))
+    finite = bool((got_finite | excused).all())
+    measured = got_finite if finite else torch.ones_like(got_finite)
+    err = float((got - e)[measured].abs().max()) if bool(measured.any()) else 0.0
+    metrics = error_metrics(got[measured], e[measured], dtype)
     return dict(dtype=str(dtype).replace("torch.", ""), max_abs=err, ref_max_abs=base_err,
                 k=k, floor=floor, allowed=allowed, ratio=err / allowed, finite=finite,
-                max_exact=scale, normwise_rel=metrics["normwise_rel"],
+                boundary_nonfinite=int(excused.sum()), max_exact=scale,
+                normwise_rel=metrics["normwise_rel"],
                 ref_normwise_rel=error_metrics(baseline, exact, dtype)["normwise_rel"],
                 ok=finite and err <= allowed)
 

@@ -182,6 +182,12 @@ def markdown(report: dict) -> str:
         lines += ["", "## Violations", ""]
         for r in failures:
             lines += [f"- {r['case']}: " + "; ".join(r["violations"])]
+    excused = [(r["case"], name, q["boundary_nonfinite"]) for r in report["cases"]
+               for name, q in r.get("quantities", {}).items() if q.get("boundary_nonfinite")]
+    if excused:
+        lines += ["", "## Infs excused within the allowed error of the dtype's overflow "
+                  "(kernels.gpu_check.compare)", ""]
+        lines += [f"- {case_}: {name}, {count} position(s)" for case_, name, count in excused]
     if report.get("anchors"):
         lines += ["", "## Anchor timings (bf16 x/B/C, fp32 dt/A/D, serial, CUDA-event medians)", "",
                   "| shape | chunk | precision | states | time ms | min-bytes time at 4.3 TB/s ms |",

@@ -15,7 +15,7 @@ import torch
 
 from kernels.contract import SSDInputError, validate
 from kernels.device import CuTileUnavailable, tileiras_path
-from kernels.gpu_check import (FULL_GRID_ENV, check_case, check_int64_case, grid,
+from kernels.gpu_check import (FULL_GRID_ENV, check_case, check_int64_case, compare, grid,
                                int64_problem_bytes)
 from kernels.ssd import resolve_precision, ssd_forward, ssd_forward_stages, state_precision
 from properties.problems import ProblemSpec, build_problem
@@ -44,6 +44,21 @@ def test_kernels_within_rule_of_float64(case):
             # Both round out to the 16-bit dtype (the dominant error); ours must not be worse
             # than the peer by more than a rounding's worth of noise.
             assert ours <= 1.5 * theirs, f"ours {ours:.3e} vs mamba_ssm {theirs:.3e}"
+
+
+def test_rule_excuses_inf_only_within_the_allowed_error_of_overflow():
+    # fp16 overflows from 65520. The float32 baseline is off by 16 everywhere, so the rule allows
+    # ~16 * k: an exact 65519.976 may come back inf from an answer within it, 60000 may not.
+    exact = torch.tensor([65519.976, 60000.0, 100.0], dtype=torch.float64)
+    baseline = exact + 16.0
+    near = compare("out", torch.tensor([math.inf, 60010.0, 101.0]), exact, baseline,
+                   torch.float16)
+    assert near["ok"] and near["boundary_nonfinite"] == 1 and near["max_abs"] == 10.0
+    far = compare("out", torch.tensor([65510.0, math.inf, 101.0]), exact, baseline, torch.float16)
+    assert not far["ok"] and not far["finite"] and far["boundary_nonfinite"] == 0
+    # A NaN is no rounding of an answer within the rule, wherever it is.
+    nan = compare("out", torch.tensor([math.nan, 60010.0, 101.0]), exact, baseline, torch.float16)
+    assert not nan["ok"] and nan["boundary_nonfinite"] == 0
 
 
 @pytest.mark.gpu
