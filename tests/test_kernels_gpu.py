@@ -56,6 +56,10 @@ def test_rule_excuses_inf_only_within_the_allowed_error_of_overflow():
     assert near["ok"] and near["boundary_nonfinite"] == 1 and near["max_abs"] == 10.0
     far = compare("out", torch.tensor([65510.0, math.inf, 101.0]), exact, baseline, torch.float16)
     assert not far["ok"] and not far["finite"] and far["boundary_nonfinite"] == 0
+    # The baseline's own inf there leaves its error, and so the allowed one, finite.
+    both = compare("out", torch.tensor([math.inf, 60010.0, 101.0]), exact,
+                   torch.tensor([math.inf, 60016.0, 116.0], dtype=torch.float64), torch.float16)
+    assert both["ok"] and both["ref_max_abs"] == 16.0 and math.isfinite(both["allowed"])
     # A NaN is no rounding of an answer within the rule, wherever it is.
     nan = compare("out", torch.tensor([math.nan, 60010.0, 101.0]), exact, baseline, torch.float16)
     assert not nan["ok"] and nan["boundary_nonfinite"] == 0
