@@ -34,6 +34,18 @@ against 6), alone 168 registers, no spill, 185,872 bytes of shared memory. fp16 
 '2xfp16' (``kernels.ssd.WALK_MODES``): 168 registers, no spill, 203,752 bytes (one block an SM,
 whatever the hint), 12 MMAs. On the H200 both beat the chunk-256 path those calls took before
 (0.41-0.77x; kernels/ssd.py, at WALK_MODES, has the figures).
+
+Segments (``segmented``; branch exp/walk-segments, not yet timed): with fewer (row, head) pairs
+than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third anchor: 1.83 ms
+against the scan and compute_out's 1.35). Split, each sequence is walked in segments of whole
+steps, a block per (row, segment, head, P block): first the states alone (``computes_out``
+False: no C, scores, z or out) through every segment but the last, from zero; then
+``segment_entering_states`` carries those end states across the segments, as the walk carries
+its state across chunks; then the walk runs each segment from its entering state. The cost: x
+and B read once more for all but the last segment, and the segments' float32 states (a few MB).
+On sm_90 at the third anchor, paired: the states-only walk 128 registers, no spill, 114,920
+bytes of shared memory; the walk from entering states 128 registers, a 56-byte spill frame.
+Unsplit (``segmented`` False) it compiles to the machine code it had before the knob.
 """
 from __future__ import annotations
 
@@ -52,22 +64,35 @@ ZERO = ct.PaddingMode.ZERO
 
 
 def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, out, final_states,
-                    nchunks, nheads, heads_per_group, n_p_blocks,
+                    nchunks, nheads, heads_per_group, n_p_blocks, nsegments, segment_steps,
                     CHUNK: ct.Constant[int], P_BLOCK: ct.Constant[int], N_PAD: ct.Constant[int],
                     MODE: ct.Constant[int], HAS_START: ct.Constant[bool],
                     HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
                     SHARED_SCORES: ct.Constant[bool], STEP: ct.Constant[int],
-                    STATE_MODE: ct.Constant[int]):
+                    STATE_MODE: ct.Constant[int], SEGMENTED: ct.Constant[bool],
+                    OUT: ct.Constant[bool]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
     rest = pid // nheads
     p_block = rest % n_p_blocks
     batch = rest // n_p_blocks
+    # SEGMENTED: a block walks the segment_steps steps of one of nsegments segments of the
+    # sequence, and start_states and final_states have a row per (batch row, segment).
+    state_row = batch
+    first_step = 0
+    nsteps = (nchunks + STEP - 1) // STEP
+    if SEGMENTED:
+        segment = batch % nsegments
+        batch = batch // nsegments
+        first_step = segment * segment_steps
+        # The host leaves no segment without a step inside the sequence (a load wholly past
+        # the end is undefined).
+        nsteps = ct.minimum(segment_steps, nsteps - first_step)
     group = head // heads_per_group
     h = ct.zeros((P_BLOCK, N_PAD), dtype=ct.float32)
     if HAS_START:
-        h = ct.load(start_states, (batch, head, p_block, 0), shape=(1, 1, P_BLOCK, N_PAD),
+        h = ct.load(start_states, (state_row, head, p_block, 0), shape=(1, 1, P_BLOCK, N_PAD),
                     padding_mode=ZERO).reshape((P_BLOCK, N_PAD)).astype(ct.float32)
     if HAS_D:
         d = ct.load(D, (head, p_block), shape=(1, P_BLOCK), padding_mode=ZERO)
@@ -75,58 +100,66 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
     sees = position[None, :] <= position[:, None]
     # STEP chunks a step, as kernels/state_scan.py walks: each operand of STEP chunks in one load
     # (their latency paid once), then the chunks in order. Chunks past the last are zero-padded
-    # (dt 0 and a flat cumsum leave h as it is) and store nothing.
-    for step in range((nchunks + STEP - 1) // STEP):
-        C_all = ct.load(C, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
-                        padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
+    # (dt 0 and a flat cumsum leave h as it is) and store nothing. Without OUT only the state
+    # walks: its operands alone are read.
+    for step_of_segment in range(nsteps):
+        step = first_step + step_of_segment
+        if OUT:
+            C_all = ct.load(C, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
+                            padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
         B_all = ct.load(B, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
                         padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
-        x_all = ct.load(x, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
-                        padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
+        if OUT:
+            x_all = ct.load(x, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
+                            padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
         x_cols_all = load_transposed(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, True,
                                      0)
         dt_all = ct.load(dt, (batch, head, step, 0), shape=(1, 1, STEP, CHUNK),
                          padding_mode=ZERO).reshape((STEP, CHUNK))
         cumsum_all = ct.load(log2_decay_cumsum, (batch, head, step, 0, 0),
                              shape=(1, 1, STEP, 2, CHUNK), padding_mode=ZERO)
-        if HAS_Z:
+        if HAS_Z and OUT:
             z_all = ct.load(z, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
                             padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
-        if SHARED_SCORES:
+        if SHARED_SCORES and OUT:
             s_all = ct.load(scores, (batch, step, group, 0, 0),
                             shape=(1, STEP, 1, CHUNK, CHUNK), padding_mode=ZERO)
         for k in ct.static_iter(range(STEP)):
             chunk = step * STEP + k
-            C_c = ct.extract(C_all, (k, 0), shape=(CHUNK, N_PAD))
+            if OUT:
+                C_c = ct.extract(C_all, (k, 0), shape=(CHUNK, N_PAD))
             B_c = ct.extract(B_all, (k, 0), shape=(CHUNK, N_PAD))
-            x_c = ct.extract(x_all, (k, 0), shape=(CHUNK, P_BLOCK))
+            if OUT:
+                x_c = ct.extract(x_all, (k, 0), shape=(CHUNK, P_BLOCK))
             x_cols = ct.extract(x_cols_all, (0, k), shape=(P_BLOCK, CHUNK))
             dt_c = ct.extract(dt_all, (k, 0), shape=(1, CHUNK)).reshape((CHUNK,))
             hi, lo = step_log2_cumsum(cumsum_all, k, CHUNK)
-            if SHARED_SCORES:
-                s = ct.extract(s_all, (0, k, 0, 0, 0), shape=(1, 1, 1, CHUNK, CHUNK)).reshape(
-                    (CHUNK, CHUNK))
-            else:
-                s = precise_mma(C_c, B_c.transpose(), ct.zeros((CHUNK, CHUNK), dtype=ct.float32),
-                                MODE, x.dtype)
+            if OUT:
+                if SHARED_SCORES:
+                    s = ct.extract(s_all, (0, k, 0, 0, 0),
+                                   shape=(1, 1, 1, CHUNK, CHUNK)).reshape((CHUNK, CHUNK))
+                else:
+                    s = precise_mma(C_c, B_c.transpose(),
+                                    ct.zeros((CHUNK, CHUNK), dtype=ct.float32), MODE, x.dtype)
 
-            # The chunk's output: the entering state's term, then the chunk's own positions.
-            y = precise_mma(C_c, h.transpose(), ct.zeros((CHUNK, P_BLOCK), dtype=ct.float32),
-                            MODE, x.dtype) * exp2_nonpos(hi + lo)[:, None]
-            exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :], lo[None, :])
-            weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
-            y = precise_mma(weights, x_c, y, MODE, x.dtype)
-            if HAS_D:
-                y = y + d * x_c.astype(ct.float32)
-            if HAS_Z:
-                y = silu_gated(y, ct.extract(z_all, (k, 0), shape=(CHUNK, P_BLOCK)).astype(
-                    ct.float32), out)
-            if chunk < nchunks:
-                ct.store(out, (batch, chunk, head, p_block),
-                         y.reshape((1, CHUNK, 1, P_BLOCK)).astype(out.dtype))
+                # The chunk's output: the entering state's term, then the chunk's own positions.
+                y = precise_mma(C_c, h.transpose(), ct.zeros((CHUNK, P_BLOCK), dtype=ct.float32),
+                                MODE, x.dtype) * exp2_nonpos(hi + lo)[:, None]
+                exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :],
+                                              lo[None, :])
+                weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
+                y = precise_mma(weights, x_c, y, MODE, x.dtype)
+                if HAS_D:
+                    y = y + d * x_c.astype(ct.float32)
+                if HAS_Z:
+                    y = silu_gated(y, ct.extract(z_all, (k, 0), shape=(CHUNK, P_BLOCK)).astype(
+                        ct.float32), out)
+                if chunk < nchunks:
+                    ct.store(out, (batch, chunk, head, p_block),
+                             y.reshape((1, CHUNK, 1, P_BLOCK)).astype(out.dtype))
 
             h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK, N_PAD, CHUNK)
-    ct.store(final_states, (batch, head, p_block, 0), h.reshape((1, 1, P_BLOCK, N_PAD)))
+    ct.store(final_states, (state_row, head, p_block, 0), h.reshape((1, 1, P_BLOCK, N_PAD)))
 
 
 # x, z, out, B, C and the states can pass 2^31 elements: 64-bit indexing in the wide variant.
@@ -156,11 +189,15 @@ class ScanOutConfig(KernelVariant):
     occupancy: int | None = None
     worker_warps: int | None = None
     chunks_per_step: int = 1
+    # Blocks walk segments of the sequence (``walk_segments``), or, without computes_out, only
+    # the state through them (``segment_end_states``).
+    segmented: bool = False
+    computes_out: bool = True
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,
                 self.has_d, self.has_z, self.shared_scores, self.chunks_per_step,
-                MODE[self.state_precision])
+                MODE[self.state_precision], self.segmented, self.computes_out)
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""
@@ -177,7 +214,7 @@ class ScanOutConfig(KernelVariant):
             array_constraint(f32, 4), array_constraint(f32, 5),
             array_constraint(self.start_dtype, 4, w), array_constraint(f32, 2),
             array_constraint(self.z_dtype, 4, w), array_constraint(self.x_dtype, 4, w),
-            array_constraint(f32, 4, w), *(scalar_constraint(i32) for _ in range(4)),
+            array_constraint(f32, 4, w), *(scalar_constraint(i32) for _ in range(6)),
             *self.constants()])
 
     def describe(self) -> str:
@@ -186,26 +223,62 @@ class ScanOutConfig(KernelVariant):
                 f"start={self.has_start}:{self.start_dtype} D={self.has_d} z={self.has_z} "
                 f"shared_scores={self.shared_scores} int64={self.wide} "
                 f"occupancy={self.occupancy} worker_warps={self.worker_warps} "
-                f"step={self.chunks_per_step}")
+                f"step={self.chunks_per_step} segmented={self.segmented} "
+                f"out={self.computes_out}")
 
 
 def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutConfig,
-             stream=None):
+             stream=None, segments: int = 1, segment_steps: int = 0):
     """(out, final_states); see the module docstring. D (H, P) fp32 or None; z, start_states
-    or None. stream: where to launch (default: the current stream)."""
+    or None. stream: where to launch (default: the current stream). With ``cfg.segmented``, the
+    blocks walk ``segments`` segments of ``segment_steps`` steps from the sequence's start:
+    start_states (b * segments, H, P, N) and final_states likewise, a row per (batch row,
+    segment). Without ``cfg.computes_out``, out is None."""
     stream = torch.cuda.current_stream() if stream is None else stream
     b, L, H, P = x.shape
     N = B.shape[3]
     dev, f32 = x.device, torch.float32
-    out = torch.empty(b, L, H, P, device=dev, dtype=x.dtype)
-    final_states = torch.empty(b, H, P, N, device=dev, dtype=f32)
+    out = (torch.empty(b, L, H, P, device=dev, dtype=x.dtype) if cfg.computes_out
+           else placeholder(dev, x.dtype, 4))
+    final_states = torch.empty(b * segments, H, P, N, device=dev, dtype=f32)
     npb = -(-P // cfg.p_block)
     scores = (chunk_scores(B, C, x, cfg.scores_config(), stream) if cfg.shared_scores
               else placeholder(dev, f32, 5))
-    ct.launch(stream, (b * H * npb,), cfg.kernel,
+    ct.launch(stream, (b * segments * H * npb,), cfg.kernel,
               (x, B, C, scores, dt, log2_decay_cumsum,
                start_states if start_states is not None else placeholder(dev, f32, 4),
                D if D is not None else placeholder(dev, f32, 2),
                z if z is not None else x, out, final_states,
-               -(-L // cfg.chunk_size), H, H // B.shape[2], npb, *cfg.constants()))
-    return out, final_states
+               -(-L // cfg.chunk_size), H, H // B.shape[2], npb, segments, segment_steps,
+               *cfg.constants()))
+    return (out if cfg.computes_out else None), final_states
+
+
+def segment_entering_states(end_states, log2_decay_cumsum, initial_states, segments: int,
+                            segment_chunks: int) -> torch.Tensor:
+    """(b * segments, H, P, N) fp32: the state entering each segment of ``segment_chunks``
+    chunks, from end_states (b * (segments - 1), H, P, N) fp32, each segment's end state from
+    zero (the segments but the last), the chunks' log2 decays (b, H, nchunks, 2, Q) fp32 and
+    initial_states (b, H, P, N) or None:
+
+        h_0 = initial,   h_k = 2^(D_{k-1}) h_{k-1} + end_{k-1},   D_k = sum of segment k's
+                                                                  chunk decays (log2)
+
+    as the walk carries its state across chunks, one segment at a time. The decay sums are
+    taken in float64: a segment's sum reaches thousands where a chunk's is tens."""
+    b, H = log2_decay_cumsum.shape[:2]
+    P, N = end_states.shape[2:]
+    ends = end_states.view(b, segments - 1, H, P, N)
+    chunk_decays = log2_decay_cumsum[:, :, :, :, -1].to(torch.float64).sum(3)      # (b, H, nc)
+    padded = torch.nn.functional.pad(chunk_decays,
+                                     (0, segments * segment_chunks - chunk_decays.shape[2]))
+    decays = torch.exp2(padded.view(b, H, segments, segment_chunks).sum(3)).to(torch.float32)
+    entering = torch.empty(b, segments, H, P, N, device=end_states.device, dtype=torch.float32)
+    if initial_states is None:
+        entering[:, 0].zero_()
+    else:
+        entering[:, 0].copy_(initial_states)
+    for k in range(1, segments):
+        torch.addcmul(ends[:, k - 1], entering[:, k - 1], decays[:, :, k - 1, None, None],
+                      out=entering[:, k])
+    return entering.view(b * segments, H, P, N)

@@ -127,6 +127,7 @@ in 'input' with bf16 states, the tuned states stage at the first anchor takes 0.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -143,7 +144,7 @@ from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
 from kernels.device import require_gpu, sm_count
 from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
                                     fwd_pass_state)
-from kernels.scan_out import ScanOutConfig, scan_out
+from kernels.scan_out import ScanOutConfig, scan_out, segment_entering_states
 from kernels.state_scan import StateScanConfig, state_scan
 from kernels.tile_ops import INT32_LIMIT, PRECISIONS, needs_int64, next_pow2
 from oracles.common import SSDResult
@@ -209,6 +210,15 @@ SCAN_OUT_PAIRED_COST = 1.68
 # (255 registers, 36 MMAs a chunk) and tileiras 13.4 fails to compile it for sm_80 ("defOp must
 # be scheduled BEFORE useOp").
 WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
+# Below SCAN_OUT_MIN_ROW_HEADS pairs the walk splits each sequence into segments
+# (``walk_segments``; branch exp/walk-segments, not yet timed): a states-only walk gives each
+# segment's end state from zero, a sum over the segments gives the state entering each one
+# (kernels.scan_out.segment_entering_states), and the walk then runs every segment from its
+# entering state, b * H * segments blocks. The most segments (a power of two) whose blocks fit
+# one paired round on the SMs, each of WALK_SEGMENT_MIN_CHUNKS chunks or more: at the third
+# anchor (64 pairs, 1024 chunks) 4 segments, 256 blocks, where the unsplit walk took 1.83 ms on
+# 64 blocks against the scan and compute_out's 1.35.
+WALK_SEGMENT_MIN_CHUNKS = 16
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
 REFERENCE_SM_COUNT = 132
@@ -334,11 +344,17 @@ class Plan:
     state_scan: Optional[StateScanConfig] = None
     # When set, stages 2 and 3 are this one kernel (after the scores, when shared).
     scan_out: Optional[ScanOutConfig] = None
+    # With scan_out, the segments it walks each sequence in (``walk_segments``), and, split, the
+    # states-only walk that gives the segments' end states before it.
+    segment_states: Optional[ScanOutConfig] = None
+    walk_segments: int = 1
 
     def named_configs(self) -> tuple[tuple[str, object], ...]:
         """(kernel name, config) in launch order; the scores kernel only when compute_out shares
         its scores (kernels/chunk_scores.py)."""
         named = [("chunk_cumsum", self.cumsum)]
+        if self.segment_states is not None:
+            named.append(("segment_states", self.segment_states))
         if self.scan_out is not None:
             if self.scan_out.shared_scores:
                 named.append(("chunk_scores", self.scan_out.scores_config()))
@@ -571,28 +587,47 @@ def scan_out_occupancy(blocks: int, sms: int) -> Optional[int]:
     return 2 if rounds_paired * SCAN_OUT_PAIRED_COST < rounds_alone else None
 
 
-def walk_occupancy(key: ProblemKey, mode: str, sms: int) -> Optional[int]:
-    """``scan_out_occupancy`` of the walk's blocks, one per (row, head, P_BLOCK channels), in
-    'input'; None in '2xfp16', where on sm_90 the hint 2 compiles to the same code as none (168
-    registers, 203,752 bytes of shared memory at the first anchor: one block an SM)."""
+def walk_blocks(key: ProblemKey) -> int:
+    """The unsplit walk's blocks: one per (row, head, P_BLOCK channels)."""
+    p_block = min(max(MIN_TILE, next_pow2(key.headdim)), P_BLOCK)
+    return key.batch * key.nheads * -(-key.headdim // p_block)
+
+
+def walk_segments(key: ProblemKey, sms: int) -> int:
+    """The segments the walk splits each sequence into: 1 from SCAN_OUT_MIN_ROW_HEADS pairs,
+    else the most (a power of two) whose blocks fit one paired round on ``sms`` SMs with
+    WALK_SEGMENT_MIN_CHUNKS chunks or more each (1 where two do not)."""
+    if key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS:
+        return 1
+    segments = 1
+    while (walk_blocks(key) * segments * 2 <= 2 * sms
+           and key.nchunks >= 2 * segments * WALK_SEGMENT_MIN_CHUNKS):
+        segments *= 2
+    return segments
+
+
+def walk_occupancy(key: ProblemKey, mode: str, sms: int, segments: int = 1) -> Optional[int]:
+    """``scan_out_occupancy`` of the walk's blocks, ``walk_blocks`` for each of ``segments``,
+    in 'input'; None in '2xfp16', where on sm_90 the hint 2 compiles to the same code as none
+    (168 registers, 203,752 bytes of shared memory at the first anchor: one block an SM)."""
     if mode != "input":
         return None
-    p_block = min(max(MIN_TILE, next_pow2(key.headdim)), P_BLOCK)
-    return scan_out_occupancy(key.batch * key.nheads * -(-key.headdim // p_block), sms)
+    return scan_out_occupancy(walk_blocks(key) * segments, sms)
 
 
 def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
-                         occupancy: Optional[int]) -> Optional[str]:
+                         occupancy: Optional[int], segments: int = 1) -> Optional[str]:
     """The mode of the walk's state update where stages 2 and 3 run as kernels/scan_out.py,
     else None: a bf16 call in 'input' or an fp16 one in '2xfp16' (the defaults) at chunk
-    STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, a state whose rows fit the kernel's
+    STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more or its
+    sequences split in ``segments`` (``walk_segments``), a state whose rows fit the kernel's
     registers, no packed sequences, not both z and D unless the walk's blocks run paired
     (``scan_out_occupancy``), and no chunk states handed back. The state update is in the mode
     ``state_precision`` gives the chunk states: out alone, 'input' (bf16) or '2xfp16'; returning
     final states, their float32-grade mode."""
     if not (WALK_MODES.get(key.x_dtype) == mode
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
-            and key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
+            and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS or segments > 1)
             and next_pow2(key.dstate) <= SCAN_OUT_MAX_DSTATE
             and key.seq_dtype is None and not key.per_seq_start and not key.varlen
             and not key.chunk_states_returned
@@ -679,20 +714,32 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                chunks_per_step=STATE_SCAN_STEP_POSITIONS // Q,
                                precision=states_mode, has_start=key.start_dtype is not None,
                                wide=wide)
-    walk = None
-    occupancy = walk_occupancy(key, mode, sms)
-    walk_states_mode = walk_state_precision(key, mode, states_mode, occupancy)
-    if walk_states_mode is not None:
+    walk = segment_states = None
+    segments = walk_segments(key, sms)
+    occupancy = walk_occupancy(key, mode, sms, segments)
+    walk_states_mode = walk_state_precision(key, mode, states_mode, occupancy, segments)
+    if walk_states_mode is None:
+        segments = 1
+    else:
+        # Split, every segment starts from a float32 state (the first from the call's own).
+        split = segments > 1
         walk = ScanOutConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
-                             z_dtype=key.z_dtype or key.x_dtype, start_dtype=key.start_dtype or f32,
+                             z_dtype=key.z_dtype or key.x_dtype,
+                             start_dtype=f32 if split else key.start_dtype or f32,
                              chunk_size=Q, p_block=p_block, n_pad=n_pad, precision=mode,
                              state_precision=walk_states_mode,
-                             has_start=key.start_dtype is not None, has_d=key.has_d,
+                             has_start=split or key.start_dtype is not None, has_d=key.has_d,
                              has_z=key.z_dtype is not None,
                              shared_scores=(shares_scores(key)
                                             and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE),
-                             wide=wide, occupancy=occupancy)
-    return Plan(cumsum, chunk_state, passing, out, scan, walk)
+                             wide=wide, occupancy=occupancy, segmented=split)
+        if split:
+            # The segments but the last, their state alone from zero.
+            segment_states = replace(
+                walk, start_dtype=f32, has_start=False, has_d=False, has_z=False,
+                shared_scores=False, computes_out=False,
+                occupancy=walk_occupancy(key, mode, sms, segments - 1))
+    return Plan(cumsum, chunk_state, passing, out, scan, walk, segment_states, segments)
 
 
 def _check_supported(problem: SSDProblem, state_dtype) -> None:
@@ -763,10 +810,23 @@ class StagePipeline:
         return p.D.to(torch.float32).reshape(p.nheads, -1).expand(p.nheads, p.headdim)
 
     def walk(self, dt, log2_cumsum, stream=None):
-        """(out, final_states) of kernels/scan_out.py's walk, where the plan has one."""
-        p = self.problem
-        return scan_out(p.x, p.B, p.C, dt, log2_cumsum, p.initial_states, self._d(), p.z,
-                        self.plan.scan_out, stream)
+        """(out, final_states) of kernels/scan_out.py's walk, where the plan has one; split in
+        ``plan.walk_segments``, after the states-only walk and the segments' entering states."""
+        p, plan = self.problem, self.plan
+        segments = plan.walk_segments
+        if segments == 1:
+            return scan_out(p.x, p.B, p.C, dt, log2_cumsum, p.initial_states, self._d(), p.z,
+                            plan.scan_out, stream)
+        step = plan.scan_out.chunk_size * plan.scan_out.chunks_per_step
+        segment_steps = -(-(-(-p.seqlen // step)) // segments)
+        _, ends = scan_out(p.x, p.B, p.C, dt, log2_cumsum, None, None, None,
+                           plan.segment_states, stream, segments - 1, segment_steps)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            entering = segment_entering_states(ends, log2_cumsum, p.initial_states, segments,
+                                               segment_steps * plan.scan_out.chunks_per_step)
+        out, finals = scan_out(p.x, p.B, p.C, dt, log2_cumsum, entering, self._d(), p.z,
+                               plan.scan_out, stream, segments, segment_steps)
+        return out, finals.view(p.batch, segments, *finals.shape[1:])[:, -1].contiguous()
 
     def out(self, dt, log2_cumsum, chunk_states, stream=None):
         p = self.problem
@@ -858,9 +918,11 @@ def default_chunk_size(problem: SSDProblem, precision: Optional[str] = None,
                                   varlen and problem.cu_seqlens is not None, wide=False)
     mode = resolve_precision(precision, key.x_dtype)
     states_mode = state_precision(mode, key.x_dtype, key.states_returned)
-    occupancy = walk_occupancy(key, mode, sm_count(problem.x.device) or REFERENCE_SM_COUNT)
+    sms = sm_count(problem.x.device) or REFERENCE_SM_COUNT
+    segments = walk_segments(key, sms)
+    occupancy = walk_occupancy(key, mode, sms, segments)
     fused = (fuses_state_scan(key, states_mode)
-             or walk_state_precision(key, mode, states_mode, occupancy) is not None)
+             or walk_state_precision(key, mode, states_mode, occupancy, segments) is not None)
     return STATE_SCAN_CHUNK_SIZE if fused else DEFAULT_CHUNK_SIZE
 
 

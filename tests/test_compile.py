@@ -112,11 +112,16 @@ LAUNCH_SPECS = (
     ProblemSpec(batch=1, seqlen=129, nheads=4, headdim=16, dstate=16, chunk_size=128,
                 x_dtype="fp16", bc_dtype="bf16", param_dtype="bf16", cu_seqlens=(0, 64, 129),
                 pass_seq_idx=False, return_varlen_states=True),
+    # The walk of kernels/scan_out.py in two segments (33 chunks of 16 heads,
+    # ssd.walk_segments): the segments' end states, then the walk from their entering states.
+    ProblemSpec(batch=1, seqlen=2100, nheads=16, headdim=64, dstate=128, chunk_size=64,
+                x_dtype="bf16", bc_dtype="bf16", D="channel", initial_states=True),
 )
 
 
-def _grid(name: str, cfg, problem) -> tuple:
-    """The launch grid that covers every output tile of kernel ``name`` once."""
+def _grid(name: str, cfg, problem, segments: int) -> tuple:
+    """The launch grid that covers every output tile of kernel ``name`` once (the walk's, of its
+    ``segments`` segments of each sequence; the segments' end states, of all but the last)."""
     b, L, H, P, N = problem.batch, problem.seqlen, problem.nheads, problem.headdim, problem.dstate
     nchunks = math.ceil(L / problem.chunk_size)
     nseq = 0 if problem.cu_seqlens is None else problem.nseq
@@ -126,6 +131,9 @@ def _grid(name: str, cfg, problem) -> tuple:
         return (b * nchunks * (cfg.chunk_size // cfg.row_block) * problem.ngroups,)
     if name == "compute_out":
         return (b * nchunks * (cfg.chunk_size // cfg.row_block) * H * math.ceil(P / cfg.p_block),)
+    if name in ("scan_out", "segment_states"):
+        walked = segments - (name == "segment_states")
+        return (b * walked * H * math.ceil(P / cfg.p_block),)
     per_row = H * math.ceil(P / cfg.p_block) * math.ceil(N / cfg.n_block)
     return ((nchunks + nseq) * b * per_row,) if name == "chunk_state" else (b * per_row,)
 
@@ -161,7 +169,7 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared
         assert len(args) == len(params), cfg.describe()
         for i, (constraint, arg) in enumerate(zip(params, args)):
             assert _constraint_matches(constraint, arg), f"{cfg.describe()}: argument {i}: {arg!r}"
-        assert grid == _grid(name, cfg, problem), name
+        assert grid == _grid(name, cfg, problem, plan.walk_segments), name
 
 
 def _h200_kernel_names() -> list[str]:

@@ -493,3 +493,42 @@ def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate, final_states, dty
                                     ("fp16", True): "3xfp16"}[dtype, final_states]
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype, D, z, final_states", [
+    ("bf16", None, False, False), ("bf16", "channel", False, True), ("bf16", None, True, True),
+    ("fp16", "head", False, True)])
+def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unsplit_walk(
+        dtype, D, z, final_states):
+    """16 (row, head) pairs over 65 chunks, the last partial: the walk in four segments of 17
+    chunks, the last of 14 (``ssd.walk_segments``), from initial states, held to the rule
+    against float64; and its out and final states within a few units of the output dtype of
+    the unsplit walk's (the same plan, one segment), whose sums it orders otherwise only at the
+    segments' seams."""
+    from dataclasses import replace as changed
+
+    from kernels.gpu_check import check_problem
+    from kernels.ssd import run_stages, stage_pipeline
+    spec = ProblemSpec(batch=1, seqlen=4100, nheads=16, headdim=64, dstate=128, ngroups=1,
+                       chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D=D, z=z,
+                       initial_states=True, return_final_states=final_states)
+    problem = build_problem(spec, "cuda")
+    pipeline = stage_pipeline(problem, states_returned=final_states)
+    assert pipeline.plan.walk_segments == 4 and pipeline.plan.segment_states is not None
+    record = check_problem(problem, with_mamba=False)
+    assert not record["violations"], record["violations"]
+    split = run_stages(problem, states_returned=final_states)
+    walk = pipeline.plan.scan_out
+    unsplit_plan = changed(pipeline.plan, walk_segments=1, segment_states=None,
+                           scan_out=changed(walk, segmented=False, has_start=True,
+                                            start_dtype=problem.initial_states.dtype))
+    unsplit = changed(pipeline, plan=unsplit_plan)
+    dt, cumsum = unsplit.cumsum()
+    out, final = unsplit.walk(dt, cumsum)
+    eps = torch.finfo(problem.x.dtype).eps
+    assert float((split.out.float() - out.float()).abs().max()) <= 4 * eps * float(
+        out.float().abs().max())
+    if final_states:
+        assert float((split.final_states - final).norm() / final.norm()) < 1e-5

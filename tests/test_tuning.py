@@ -100,16 +100,18 @@ def _meta_problem(key: ssd.ProblemKey, **changes):
     return replace(launch_problem(key), **dict(dict(return_final_states=False), **changes))
 
 
-@pytest.mark.parametrize("batch, nheads, ngroups, n_block", [(4, 64, 1, 128), (4, 32, 8, 128),
-                                                             (2, 64, 1, 128), (1, 64, 1, 64)])
+@pytest.mark.parametrize("batch, nheads, ngroups, n_block, seqlen",
+                         [(4, 64, 1, 128, 4096), (4, 32, 8, 128, 4096), (2, 64, 1, 128, 4096),
+                          (1, 64, 1, 64, 1024)])
 def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, nheads, ngroups,
-                                                                        n_block):
+                                                                        n_block, seqlen):
     """chunk_size=None picks chunk 64 and the fused scan, two chunks a step, where 64 (row, head)
     pairs or more walk their chunks: 64 x 128 tiles, the state columns halved where fewer than 128
     blocks would walk (``ssd.state_scan_tiles``). compute_out's tiles come from the key's
     chunk-64 table entry, else chunk 256's. From SCAN_OUT_MIN_ROW_HEADS pairs (at dstate up to
-    128) the walk of kernels/scan_out.py runs instead of both (the test below)."""
-    key = replace(anchor_key(), batch=batch, nheads=nheads, ngroups=ngroups)
+    128), or fewer in sequences long enough to split (1024 tokens are not), the walk of
+    kernels/scan_out.py runs instead of both (the tests below)."""
+    key = replace(anchor_key(), batch=batch, nheads=nheads, ngroups=ngroups, seqlen=seqlen)
     assert ssd.default_chunk_size(_meta_problem(key)) == ssd.STATE_SCAN_CHUNK_SIZE == 64
     fused = replace(key, chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
@@ -128,8 +130,8 @@ def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, n
 def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     """At the first anchor's 512 (row, head) pairs, chunk 64: kernels/scan_out.py after the
     shared scores, no states stored, its blocks two to an SM; and so from 128 pairs, one to an
-    SM there; its own scores at dstate 64; not at 64 pairs, at dstate 256, at chunk 128, or with
-    both z and D where its blocks run one to an SM."""
+    SM there; its own scores at dstate 64; not at 64 pairs too short to split (the test below),
+    at dstate 256, at chunk 128, or with both z and D where its blocks run one to an SM."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
     assert [name for name, _ in plan.named_configs()] == ["chunk_cumsum", "chunk_scores",
@@ -144,9 +146,69 @@ def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     assert ssd.make_plan(replace(fused, z_dtype=bf16)).scan_out.has_z
     both = ssd.make_plan(replace(fused, has_d=True, z_dtype=bf16)).scan_out
     assert (both.has_d, both.has_z, both.occupancy) == (True, True, 2)
-    for change in (dict(batch=1), dict(dstate=256), dict(chunk_size=128),
+    for change in (dict(batch=1, seqlen=1024), dict(dstate=256), dict(chunk_size=128),
                    dict(batch=2, has_d=True, z_dtype=bf16)):
         assert ssd.make_plan(replace(fused, **change)).scan_out is None, change
+
+
+def test_below_128_row_heads_the_walk_splits_the_sequence_into_segments():
+    """The third anchor's 64 pairs (1024 chunks at chunk 64): four segments, 256 blocks, one
+    paired round on 132 SMs; first the states-only walk of the three segments but the last
+    (no out, no scores, from zero), then the walk of all four from float32 entering states. No
+    split where pairs reach SCAN_OUT_MIN_ROW_HEADS, nor where segments would be shorter than
+    WALK_SEGMENT_MIN_CHUNKS (the fused scan then, as before)."""
+    key = replace(anchor_key(), batch=1, seqlen=65536, chunk_size=64, states_returned=False)
+    assert ssd.default_chunk_size(_meta_problem(replace(key, chunk_size=256))) == 64
+    plan = ssd.make_plan(key)
+    assert plan.walk_segments == ssd.walk_segments(key, ssd.REFERENCE_SM_COUNT) == 4
+    assert [name for name, _ in plan.named_configs()] == ["chunk_cumsum", "segment_states",
+                                                           "chunk_scores", "scan_out"]
+    ends, walk = plan.segment_states, plan.scan_out
+    assert (ends.computes_out, ends.segmented, ends.has_start, ends.shared_scores,
+            ends.occupancy) == (False, True, False, False, 2)
+    assert (walk.computes_out, walk.segmented, walk.has_start, walk.start_dtype,
+            walk.occupancy) == (True, True, True, torch.float32, 2)
+    assert ssd.make_plan(replace(key, start_dtype=bf16)).scan_out.start_dtype == torch.float32
+    assert ssd.walk_segments(replace(key, seqlen=32768), 132) == 4       # 512 chunks
+    assert ssd.walk_segments(replace(key, nheads=16), 132) == 16         # 16 blocks
+    assert ssd.walk_segments(replace(key, batch=2), 132) == 1            # 128 pairs
+    short = replace(key, seqlen=2047)                                    # 32 chunks
+    assert ssd.walk_segments(short, 132) == 2
+    assert ssd.walk_segments(replace(short, seqlen=2048 - 64), 132) == 1
+    assert ssd.make_plan(replace(short, seqlen=1984)).scan_out is None
+
+
+def test_segment_entering_states_carry_the_reference_walk_across_segments():
+    """kernels.scan_out.segment_entering_states, from each segment's end state walked from zero
+    (the reference on the segment alone) and the chunks' log2 decays split hi + lo as the
+    kernels store them, gives the reference's state entering each segment's first chunk;
+    most decays between 0.05 and 0.95 (mamba2_init at 7-chunk segments), so a dropped decay
+    would show."""
+    from kernels.contract import validate
+    from kernels.scan_out import segment_entering_states
+    from oracles.chunked_reference import chunked_ssd
+    from properties.problems import ProblemSpec, build_problem
+    Q, segments = 8, 4
+    p = build_problem(ProblemSpec(batch=2, seqlen=200, nheads=3, headdim=8, dstate=8, ngroups=1,
+                                  chunk_size=Q, initial_states=True, seed=5))
+    reference = chunked_ssd(p, torch.float64, torch.float64)
+    segment_chunks = -(-p.seqlen // Q // segments)        # 25 chunks: 7, 7, 7, 4
+    S = reference.stages["log2_decay_cumsum"]            # (b, H, nchunks, Q) float64
+    hi = S.to(torch.float32)
+    cumsum = torch.stack((hi, (S - hi.to(torch.float64)).to(torch.float32)), 3)
+    ends = []
+    for k in range(segments - 1):
+        part = slice(k * segment_chunks * Q, (k + 1) * segment_chunks * Q)
+        alone = validate(p.x[:, part], p.dt[:, part], p.A, p.B[:, part], p.C[:, part], Q,
+                         return_final_states=True)
+        ends.append(chunked_ssd(alone, torch.float64, torch.float64).final_states)
+    ends = torch.stack(ends, 1).flatten(0, 1).to(torch.float32)
+    got = segment_entering_states(ends, cumsum, p.initial_states, segments, segment_chunks)
+    want = reference.stages["chunk_states"][:, ::segment_chunks]   # (b, segments, H, P, N)
+    got = got.view(want.shape).to(torch.float64)
+    decays = torch.exp2(S[..., -1].view(2, 3, -1)[:, :, :segment_chunks].sum(2))
+    assert float(((decays > 0.05) & (decays < 0.95)).double().mean()) >= 0.5
+    assert float((got - want).norm() / want.norm()) < 1e-6
 
 
 def test_calls_returning_final_states_walk_with_float32_grade_increments():
@@ -269,15 +331,15 @@ def test_a_fused_record_makes_an_entry_of_the_scan_and_compute_out(tmp_path, mon
 @pytest.mark.parametrize("change", ["long_single_row", "final_states", "seq_idx", "fp32",
                                     "chunk_256"])
 def test_the_two_state_kernels_keep_what_the_scan_does_not_take(change):
-    """Fewer than 64 (row, head) pairs, returned states (float32-grade sums) where the walk does
-    not take them (64 pairs), packed sequences, float32 x, or an explicit chunk 256: chunk_state
-    and the state passing."""
+    """Fewer than 64 (row, head) pairs where the walk does not take them (dstate 256), returned
+    states (float32-grade sums) where it does not (64 pairs too short to split), packed
+    sequences, float32 x, or an explicit chunk 256: chunk_state and the state passing."""
     key = anchor_key()
     problem_changes = {}
     if change == "long_single_row":
-        key = replace(key, batch=1, seqlen=65536, nheads=32)
+        key = replace(key, batch=1, seqlen=65536, nheads=32, dstate=256)
     elif change == "final_states":
-        key = replace(key, batch=1)
+        key = replace(key, batch=1, seqlen=1024)
         problem_changes = dict(return_final_states=True)
     elif change == "seq_idx":
         key = replace(key, seq_dtype=torch.int32)
