@@ -274,7 +274,8 @@ def compare(stage: str, actual: torch.Tensor, exact: torch.Tensor, baseline: tor
     excused = torch.isinf(got) & (e.abs() + allowed >= overflow_threshold(dtype))
     finite = bool((got_finite | excused).all())
     measured = got_finite if finite else torch.ones_like(got_finite)
-    err = float((got - e)[measured].abs().max()) if bool(measured.any()) else 0.0
+    err = (float((got - e)[measured].abs().max()) if bool(measured.any()) else 0.0) if finite \
+        else math.inf
     metrics = error_metrics(got[measured], e[measured], dtype)
     return dict(dtype=str(dtype).replace("torch.", ""), max_abs=err, ref_max_abs=base_err,
                 k=k, floor=floor, allowed=allowed, ratio=err / allowed, finite=finite,
