@@ -86,8 +86,8 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         segment = batch % nsegments
         batch = batch // nsegments
         first_step = segment * segment_steps
-        # The host leaves no segment without a step inside the sequence (a load wholly past
-        # the end is undefined).
+        # A segment past the sequence's end walks no step (a load wholly past the end is
+        # undefined) and stores its entering state.
         nsteps = ct.minimum(segment_steps, nsteps - first_step)
     group = head // heads_per_group
     h = ct.zeros((P_BLOCK, N_PAD), dtype=ct.float32)

@@ -217,8 +217,10 @@ WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
 # entering state, b * H * segments blocks. The most segments (a power of two) whose blocks fit
 # one paired round on the SMs, each of WALK_SEGMENT_MIN_CHUNKS chunks or more: at the third
 # anchor (64 pairs, 1024 chunks) 4 segments, 256 blocks, where the unsplit walk took 1.83 ms on
-# 64 blocks against the scan and compute_out's 1.35.
+# 64 blocks against the scan and compute_out's 1.35. At most WALK_MAX_SEGMENTS: the entering
+# states are carried one segment a torch launch.
 WALK_SEGMENT_MIN_CHUNKS = 16
+WALK_MAX_SEGMENTS = 16
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
 REFERENCE_SM_COUNT = 132
@@ -595,12 +597,12 @@ def walk_blocks(key: ProblemKey) -> int:
 
 def walk_segments(key: ProblemKey, sms: int) -> int:
     """The segments the walk splits each sequence into: 1 from SCAN_OUT_MIN_ROW_HEADS pairs,
-    else the most (a power of two) whose blocks fit one paired round on ``sms`` SMs with
-    WALK_SEGMENT_MIN_CHUNKS chunks or more each (1 where two do not)."""
+    else the most (a power of two, up to WALK_MAX_SEGMENTS) whose blocks fit one paired round
+    on ``sms`` SMs with WALK_SEGMENT_MIN_CHUNKS chunks or more each (1 where two do not)."""
     if key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS:
         return 1
     segments = 1
-    while (walk_blocks(key) * segments * 2 <= 2 * sms
+    while (segments < WALK_MAX_SEGMENTS and walk_blocks(key) * segments * 2 <= 2 * sms
            and key.nchunks >= 2 * segments * WALK_SEGMENT_MIN_CHUNKS):
         segments *= 2
     return segments
@@ -817,8 +819,8 @@ class StagePipeline:
         if segments == 1:
             return scan_out(p.x, p.B, p.C, dt, log2_cumsum, p.initial_states, self._d(), p.z,
                             plan.scan_out, stream)
-        step = plan.scan_out.chunk_size * plan.scan_out.chunks_per_step
-        segment_steps = -(-(-(-p.seqlen // step)) // segments)
+        steps = -(-p.seqlen // (plan.scan_out.chunk_size * plan.scan_out.chunks_per_step))
+        segment_steps = -(-steps // segments)
         _, ends = scan_out(p.x, p.B, p.C, dt, log2_cumsum, None, None, None,
                            plan.segment_states, stream, segments - 1, segment_steps)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():

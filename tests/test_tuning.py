@@ -171,6 +171,7 @@ def test_below_128_row_heads_the_walk_splits_the_sequence_into_segments():
     assert ssd.make_plan(replace(key, start_dtype=bf16)).scan_out.start_dtype == torch.float32
     assert ssd.walk_segments(replace(key, seqlen=32768), 132) == 4       # 512 chunks
     assert ssd.walk_segments(replace(key, nheads=16), 132) == 16         # 16 blocks
+    assert ssd.walk_segments(replace(key, nheads=2), 132) == ssd.WALK_MAX_SEGMENTS == 16
     assert ssd.walk_segments(replace(key, batch=2), 132) == 1            # 128 pairs
     short = replace(key, seqlen=2047)                                    # 32 chunks
     assert ssd.walk_segments(short, 132) == 2
