@@ -205,9 +205,9 @@ SCAN_OUT_PAIRED_COST = 1.68
 # chunk 256 and the two state kernels, which such calls took before: fp16 x (its '2xfp16'
 # default) 0.41-0.77x (first anchor 1.49 -> 1.09 ms out alone), bf16 x returning final states
 # (their update in '3xbf16') 0.55-0.77x (first anchor 0.93 -> 0.56 ms), the final states
-# 4-5e-8 apart (experiments/ab_walk_modes_ebba46f.txt). Not float32 x ('3xbf16'): its walk spills 120 bytes on sm_90
-# (255 registers, 36 MMAs a chunk) and tileiras 13.4 fails to compile it for sm_80 ("defOp must
-# be scheduled BEFORE useOp").
+# 4-5e-8 apart (experiments/ab_walk_modes_ebba46f.txt). Not float32 x ('3xbf16'): its walk
+# spills 120 bytes on sm_90 (255 registers, 36 MMAs a chunk) and tileiras 13.4 fails to compile
+# it for sm_80 ("defOp must be scheduled BEFORE useOp").
 WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
@@ -585,11 +585,11 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
                          occupancy: Optional[int]) -> Optional[str]:
     """The mode of the walk's state update where stages 2 and 3 run as kernels/scan_out.py,
     else None: a bf16 call in 'input' or an fp16 one in '2xfp16' (the defaults) at chunk
-    STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, a state whose rows fit the kernel's
-    registers, no packed sequences, not both z and D unless the walk's blocks run paired
-    (``scan_out_occupancy``), and no chunk states handed back. The state update is in the mode
-    ``state_precision`` gives the chunk states: out alone, 'input' (bf16) or '2xfp16'; returning
-    final states, their float32-grade mode."""
+    STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, a state whose
+    rows fit the kernel's registers, no packed sequences, not both z and D unless the walk's
+    blocks run paired (``scan_out_occupancy``), and no chunk states handed back. The state
+    update is in the mode ``state_precision`` gives the chunk states: out alone, 'input' (bf16)
+    or '2xfp16'; returning final states, their float32-grade mode."""
     if not (WALK_MODES.get(key.x_dtype) == mode
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
