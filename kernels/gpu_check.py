@@ -270,13 +270,12 @@ def compare(stage: str, actual: torch.Tensor, exact: torch.Tensor, baseline: tor
         torch.finfo(dtype).tiny
     k = tolerance(stage, dtype).k
     allowed = k * base_err + floor
-    got_finite = torch.isfinite(got)
     excused = torch.isinf(got) & (e.abs() + allowed >= overflow_threshold(dtype))
-    finite = bool((got_finite | excused).all())
-    measured = got_finite if finite else torch.ones_like(got_finite)
-    err = (float((got - e)[measured].abs().max()) if bool(measured.any()) else 0.0) if finite \
-        else math.inf
-    metrics = error_metrics(got[measured], e[measured], dtype)
+    kept = ~excused
+    finite = bool(torch.isfinite(got[kept]).all())
+    err = float((got - e)[kept].abs().nan_to_num(nan=math.inf, posinf=math.inf).max()) if bool(kept.any()) \
+        else 0.0
+    metrics = error_metrics(got[kept], e[kept], dtype)
     return dict(dtype=str(dtype).replace("torch.", ""), max_abs=err, ref_max_abs=base_err,
                 k=k, floor=floor, allowed=allowed, ratio=err / allowed, finite=finite,
                 boundary_nonfinite=int(excused.sum()), max_exact=scale,

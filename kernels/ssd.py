@@ -206,9 +206,9 @@ SCAN_OUT_PAIRED_COST = 1.68
 # chunk 256 and the two state kernels, which such calls took before: fp16 x (its '2xfp16'
 # default) 0.41-0.77x (first anchor 1.49 -> 1.09 ms out alone), bf16 x returning final states
 # (their update in '3xbf16') 0.55-0.77x (first anchor 0.93 -> 0.56 ms), the final states
-# 4-5e-8 apart (experiments/ab_walk_modes_ebba46f.txt). Not float32 x ('3xbf16'): its walk spills 120 bytes on sm_90
-# (255 registers, 36 MMAs a chunk) and tileiras 13.4 fails to compile it for sm_80 ("defOp must
-# be scheduled BEFORE useOp").
+# 4-5e-8 apart (experiments/ab_walk_modes_ebba46f.txt). Not float32 x ('3xbf16'): its walk
+# spills 120 bytes on sm_90 (255 registers, 36 MMAs a chunk) and tileiras 13.4 fails to compile
+# it for sm_80 ("defOp must be scheduled BEFORE useOp").
 WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
 # Below SCAN_OUT_MIN_ROW_HEADS pairs the walk splits each sequence into segments
 # (``walk_segments``; branch exp/walk-segments, not yet timed): a states-only walk gives each
@@ -624,9 +624,9 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more or its
     sequences split in ``segments`` (``walk_segments``), a state whose rows fit the kernel's
     registers, no packed sequences, not both z and D unless the walk's blocks run paired
-    (``scan_out_occupancy``), and no chunk states handed back. The state update is in the mode
-    ``state_precision`` gives the chunk states: out alone, 'input' (bf16) or '2xfp16'; returning
-    final states, their float32-grade mode."""
+    (``scan_out_occupancy``), and no chunk states handed back. The state update is in the
+    mode ``state_precision`` gives the chunk states: out alone, 'input' (bf16) or '2xfp16';
+    returning final states, their float32-grade mode."""
     if not (WALK_MODES.get(key.x_dtype) == mode
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS or segments > 1)
@@ -636,6 +636,17 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
             and (occupancy == 2 or not (key.has_d and key.z_dtype is not None))):
         return None
     return states_mode
+
+
+def walk_dispatch(key: ProblemKey, mode: str, states_mode: str,
+                  sms: int) -> tuple[Optional[str], Optional[int], int]:
+    """(state update mode, occupancy hint, segments) of the walk where it takes the call on
+    ``sms`` SMs (``walk_state_precision``, ``walk_occupancy``, ``walk_segments``), else
+    (None, None, 1)."""
+    segments = walk_segments(key, sms)
+    occupancy = walk_occupancy(key, mode, sms, segments)
+    walk_mode = walk_state_precision(key, mode, states_mode, occupancy, segments)
+    return (None, None, 1) if walk_mode is None else (walk_mode, occupancy, segments)
 
 
 def make_plan(key: ProblemKey, state_dtype: Optional[torch.dtype] = None,
@@ -717,12 +728,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                precision=states_mode, has_start=key.start_dtype is not None,
                                wide=wide)
     walk = segment_states = None
-    segments = walk_segments(key, sms)
-    occupancy = walk_occupancy(key, mode, sms, segments)
-    walk_states_mode = walk_state_precision(key, mode, states_mode, occupancy, segments)
-    if walk_states_mode is None:
-        segments = 1
-    else:
+    walk_states_mode, occupancy, segments = walk_dispatch(key, mode, states_mode, sms)
+    if walk_states_mode is not None:
         # Split, every segment starts from a float32 state (the first from the call's own).
         split = segments > 1
         walk = ScanOutConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
@@ -921,10 +928,8 @@ def default_chunk_size(problem: SSDProblem, precision: Optional[str] = None,
     mode = resolve_precision(precision, key.x_dtype)
     states_mode = state_precision(mode, key.x_dtype, key.states_returned)
     sms = sm_count(problem.x.device) or REFERENCE_SM_COUNT
-    segments = walk_segments(key, sms)
-    occupancy = walk_occupancy(key, mode, sms, segments)
     fused = (fuses_state_scan(key, states_mode)
-             or walk_state_precision(key, mode, states_mode, occupancy, segments) is not None)
+             or walk_dispatch(key, mode, states_mode, sms)[0] is not None)
     return STATE_SCAN_CHUNK_SIZE if fused else DEFAULT_CHUNK_SIZE
 
 
