@@ -35,9 +35,9 @@ against 6), alone 168 registers, no spill, 185,872 bytes of shared memory. fp16 
 whatever the hint), 12 MMAs. On the H200 both beat the chunk-256 path those calls took before
 (0.41-0.77x; kernels/ssd.py, at WALK_MODES, has the figures).
 
-Segments (``segmented``; branch exp/walk-segments, not yet timed): with fewer (row, head) pairs
-than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third anchor: 1.83 ms
-against the scan and compute_out's 1.35). Split, each sequence is walked in segments of whole
+Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
+(row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third
+anchor: 1.83 ms against the scan and compute_out's 1.36). Split, each sequence is walked in segments of whole
 steps, a block per (row, segment, head, P block): first the states alone (``computes_out``
 False: no C, scores, z or out) through every segment but the last, from zero; then
 ``segment_entering_states`` carries those end states across the segments, as the walk carries

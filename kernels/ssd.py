@@ -210,17 +210,25 @@ SCAN_OUT_PAIRED_COST = 1.68
 # spills 120 bytes on sm_90 (255 registers, 36 MMAs a chunk) and tileiras 13.4 fails to compile
 # it for sm_80 ("defOp must be scheduled BEFORE useOp").
 WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
-# Below SCAN_OUT_MIN_ROW_HEADS pairs the walk splits each sequence into segments
-# (``walk_segments``; branch exp/walk-segments, not yet timed): a states-only walk gives each
-# segment's end state from zero, a sum over the segments gives the state entering each one
-# (kernels.scan_out.segment_entering_states), and the walk then runs every segment from its
-# entering state, b * H * segments blocks. The most segments (a power of two) whose blocks fit
-# one paired round on the SMs, each of WALK_SEGMENT_MIN_CHUNKS chunks or more: at the third
-# anchor (64 pairs, 1024 chunks) 4 segments, 256 blocks, where the unsplit walk took 1.83 ms on
-# 64 blocks against the scan and compute_out's 1.35. At most WALK_MAX_SEGMENTS: the entering
-# states are carried one segment a torch launch.
-WALK_SEGMENT_MIN_CHUNKS = 16
+# Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence into segments
+# (``walk_segments``): a states-only walk gives each segment's end state from zero, a sum over
+# the segments gives the state entering each one (kernels.scan_out.segment_entering_states), and
+# the walk then runs every segment from its entering state, b * H * segments blocks. The most
+# segments (a power of two, at most WALK_MAX_SEGMENTS: the entering states are carried one
+# segment a torch launch) whose blocks fit one round on the SMs, one block an SM, each of
+# WALK_SEGMENT_MIN_CHUNKS chunks or more; the walk takes the call where its pairs times its
+# segments reach WALK_MIN_SPLIT_ROW_HEADS, split only where the fused scan does not take it
+# (``walk_takes_few_pairs``). Measured on the H200 against main's path at 13 shapes, 8 to 96
+# pairs (experiments/ab_segments_16780b5.txt, ab_segments2_16780b5.txt): one round alone was
+# the fastest split at every bf16 shape (64 pairs in 2 segments 0.857x chunk 256 with final
+# states against 0.952x in 4, one paired round); 96 pairs unsplit 0.775x the fused scan out
+# alone and 0.743x chunk 256 with final states; 32 pairs in 4 segments 0.836x and 0.847x, 16
+# in 8 0.809x. Lost: segments of 32 chunks (1.04-1.09x), fewer than 96 blocks (8 pairs in 4
+# segments 2.2x), splits against the fused scan at 64 pairs (0.985-1.26x), and fp16's walk
+# ('2xfp16', one block an SM: 0.96-1.03x), which keeps SCAN_OUT_MIN_ROW_HEADS.
+WALK_SEGMENT_MIN_CHUNKS = 64
 WALK_MAX_SEGMENTS = 16
+WALK_MIN_SPLIT_ROW_HEADS = 96
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
 REFERENCE_SM_COUNT = 132
@@ -597,15 +605,24 @@ def walk_blocks(key: ProblemKey) -> int:
 
 def walk_segments(key: ProblemKey, sms: int) -> int:
     """The segments the walk splits each sequence into: 1 from SCAN_OUT_MIN_ROW_HEADS pairs,
-    else the most (a power of two, up to WALK_MAX_SEGMENTS) whose blocks fit one paired round
-    on ``sms`` SMs with WALK_SEGMENT_MIN_CHUNKS chunks or more each (1 where two do not)."""
+    else the most (a power of two, up to WALK_MAX_SEGMENTS) whose blocks fit one round on
+    ``sms`` SMs, one block an SM, with WALK_SEGMENT_MIN_CHUNKS chunks or more each."""
     if key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS:
         return 1
     segments = 1
-    while (segments < WALK_MAX_SEGMENTS and walk_blocks(key) * segments * 2 <= 2 * sms
+    while (segments < WALK_MAX_SEGMENTS and walk_blocks(key) * segments * 2 <= sms
            and key.nchunks >= 2 * segments * WALK_SEGMENT_MIN_CHUNKS):
         segments *= 2
     return segments
+
+
+def walk_takes_few_pairs(key: ProblemKey, mode: str, states_mode: str, segments: int) -> bool:
+    """Whether the walk takes a call of fewer than SCAN_OUT_MIN_ROW_HEADS (row, head) pairs in
+    ``segments`` segments: in 'input' (bf16 x), with WALK_MIN_SPLIT_ROW_HEADS pairs times
+    segments or more, split only where the fused scan does not take the call."""
+    return (mode == "input"
+            and key.batch * key.nheads * segments >= WALK_MIN_SPLIT_ROW_HEADS
+            and (segments == 1 or not fuses_state_scan(key, states_mode)))
 
 
 def walk_occupancy(key: ProblemKey, mode: str, sms: int, segments: int = 1) -> Optional[int]:
@@ -621,15 +638,16 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
                          occupancy: Optional[int], segments: int = 1) -> Optional[str]:
     """The mode of the walk's state update where stages 2 and 3 run as kernels/scan_out.py,
     else None: a bf16 call in 'input' or an fp16 one in '2xfp16' (the defaults) at chunk
-    STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more or its
-    sequences split in ``segments`` (``walk_segments``), a state whose rows fit the kernel's
-    registers, no packed sequences, not both z and D unless the walk's blocks run paired
+    STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, or fewer
+    split in ``segments`` (``walk_segments``) where ``walk_takes_few_pairs``, a state whose
+    rows fit the kernel's registers, no packed sequences, not both z and D unless the walk's blocks run paired
     (``scan_out_occupancy``), and no chunk states handed back. The state update is in the
     mode ``state_precision`` gives the chunk states: out alone, 'input' (bf16) or '2xfp16';
     returning final states, their float32-grade mode."""
     if not (WALK_MODES.get(key.x_dtype) == mode
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
-            and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS or segments > 1)
+            and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
+                 or walk_takes_few_pairs(key, mode, states_mode, segments))
             and next_pow2(key.dstate) <= SCAN_OUT_MAX_DSTATE
             and key.seq_dtype is None and not key.per_seq_start and not key.varlen
             and not key.chunk_states_returned
@@ -920,8 +938,6 @@ def default_chunk_size(problem: SSDProblem, precision: Optional[str] = None,
     is ignored): STATE_SCAN_CHUNK_SIZE where the fused state scan or the walk of
     kernels/scan_out.py takes the call (``fuses_state_scan``, ``walk_state_precision``), else
     DEFAULT_CHUNK_SIZE."""
-    if problem.batch * problem.nheads < STATE_SCAN_MIN_ROW_HEADS:
-        return DEFAULT_CHUNK_SIZE
     # The rule reads no index width: the key skips _key's 2^31 checks of the tensors.
     key = ProblemKey.from_problem(replace(problem, chunk_size=STATE_SCAN_CHUNK_SIZE),
                                   varlen and problem.cu_seqlens is not None, wide=False)
@@ -942,7 +958,9 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     Arguments as ``mamba_chunk_scan_combined`` (kernels.contract documents them). chunk_size None
     picks per call (``default_chunk_size``: 64 with the fused state scan for calls with many
     (row, head) pairs that return out alone, or from 128 pairs the walk of kernels/scan_out.py
-    for bf16 and fp16 calls that return out alone or with final states, else 256); supported:
+    for bf16 and fp16 calls that return out alone or with final states, and for bf16 calls with
+    fewer pairs and long enough sequences the walk split along the sequence
+    (``walk_segments``), else 256); supported:
     64, 128, 256. headdim and dstate up to 256. Inputs may be non-contiguous (the kernels read
     through strides).
     state_dtype: dtype of the stored chunk states (default: x's dtype in 'input', else float32);

@@ -97,10 +97,8 @@ COVERING_KEYS = (
     # chunk_size=None's pick for these out-alone calls, chunk 64: from 128 (row, head) pairs the
     # walk of kernels/scan_out.py (kernels.ssd.walk_state_precision; shared scores, or its own
     # for 32 heads in 8 groups and at dstate 64), else the fused state scan two chunks a step
-    # (kernels.ssd.fuses_state_scan): 64 x 64 tiles for one row of 64 heads too short to split
-    # (kernels.ssd.state_scan_tiles), 64 x 128 at dstate 256, which the walk does not take. One
-    # row of 64 heads at the third anchor's length walks in four segments
-    # (kernels.ssd.walk_segments): the states-only walk, then the walk from entering states. The
+    # (kernels.ssd.fuses_state_scan): 64 x 64 tiles for one row of 64 heads
+    # (kernels.ssd.state_scan_tiles), 64 x 128 at dstate 256, which the walk does not take. The
     # walk's blocks run two to an SM at the first anchor's 512 (on the reference 132 SMs:
     # kernels.ssd.scan_out_occupancy), and so also with both z and D; one to an SM for 32 heads
     # in 8 groups, and for 2 rows x 64 heads, which with both z and D keep the scan and
@@ -112,8 +110,6 @@ COVERING_KEYS = (
       for name, key in (("b8-L4096-h64", _anchor(8, 4096, 64, 1)),
                         ("b1-L65536-h64", _anchor(1, 65536, 64, 1)),
                         ("b4-L8192-h32-g8", _anchor(4, 8192, 32, 8)))),
-    ("b1-L1024-h64-q64-out-only-fused", replace(_anchor(1, 1024, 64, 1), chunk_size=64,
-                                                states_returned=False), None, None),
     *((f"anchor-b8-L4096-h64-q64-out-only-fused-{name}",
        replace(_anchor(8, 4096, 64, 1), chunk_size=64, states_returned=False, **kw), None, None)
       for name, kw in (("start-d", dict(start_dtype=f32, has_d=True)), ("z", dict(z_dtype=bf16)),
@@ -128,6 +124,13 @@ COVERING_KEYS = (
     *((f"anchor-{name}-q64-final-states-walk", replace(key, chunk_size=64), None, None)
       for name, key in (("b8-L4096-h64", _anchor(8, 4096, 64, 1)),
                         ("b4-L8192-h32-g8", _anchor(4, 8192, 32, 8)))),
+    # Fewer pairs in sequences long enough to split (kernels.ssd.walk_segments): the states-only
+    # walk of all segments but the last, then the walk from their entering states; with final
+    # states (the third anchor's 64 heads, two segments) and out alone (32 heads, four).
+    ("b1-L65536-h64-q64-final-states-walk-segments", replace(_anchor(1, 65536, 64, 1),
+                                                             chunk_size=64), None, None),
+    ("b1-L65536-h32-q64-out-only-walk-segments", replace(_anchor(1, 65536, 32, 1), chunk_size=64,
+                                                         states_returned=False), None, None),
     # fp16 x in its '2xfp16' default walks too (kernels.ssd.WALK_MODES), one block an SM: out
     # alone (states in '2xfp16') and with final states ('3xfp16').
     *((f"anchor-b8-L4096-h64-q64-fp16-{name}-walk",

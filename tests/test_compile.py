@@ -112,9 +112,9 @@ LAUNCH_SPECS = (
     ProblemSpec(batch=1, seqlen=129, nheads=4, headdim=16, dstate=16, chunk_size=128,
                 x_dtype="fp16", bc_dtype="bf16", param_dtype="bf16", cu_seqlens=(0, 64, 129),
                 pass_seq_idx=False, return_varlen_states=True),
-    # The walk of kernels/scan_out.py in two segments (33 chunks of 16 heads,
+    # The walk of kernels/scan_out.py in two segments (129 chunks of 48 heads,
     # ssd.walk_segments): the segments' end states, then the walk from their entering states.
-    ProblemSpec(batch=1, seqlen=2100, nheads=16, headdim=64, dstate=128, chunk_size=64,
+    ProblemSpec(batch=1, seqlen=8200, nheads=48, headdim=64, dstate=128, chunk_size=64,
                 x_dtype="bf16", bc_dtype="bf16", D="channel", initial_states=True),
 )
 

@@ -497,26 +497,25 @@ def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate, final_states, dty
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("dtype, D, z, final_states", [
-    ("bf16", None, False, False), ("bf16", "channel", False, True), ("bf16", None, True, True),
-    ("fp16", "head", False, True)])
+@pytest.mark.parametrize("D, z, final_states", [
+    (None, False, False), ("channel", False, True), (None, True, True), ("head", False, False)])
 def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unsplit_walk(
-        dtype, D, z, final_states):
-    """16 (row, head) pairs over 65 chunks, the last partial: the walk in four segments of 17
-    chunks, the last of 14 (``ssd.walk_segments``), from initial states, held to the rule
-    against float64; and its out and final states within a few units of the output dtype of
-    the unsplit walk's (the same plan, one segment), whose sums it orders otherwise only at the
+        D, z, final_states):
+    """48 (row, head) pairs over 129 chunks, bf16: the walk in two segments of 65 and 64 chunks,
+    the last partial (``ssd.walk_segments``), from initial states, held to the rule against
+    float64; and its out and final states within a few units of the output dtype of the
+    unsplit walk's (the same plan, one segment), whose sums it orders otherwise only at the
     segments' seams."""
     from dataclasses import replace as changed
 
     from kernels.gpu_check import check_problem
     from kernels.ssd import run_stages, stage_pipeline
-    spec = ProblemSpec(batch=1, seqlen=4100, nheads=16, headdim=64, dstate=128, ngroups=1,
-                       chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D=D, z=z,
+    spec = ProblemSpec(batch=1, seqlen=8200, nheads=48, headdim=64, dstate=128, ngroups=1,
+                       chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
                        initial_states=True, return_final_states=final_states)
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=final_states)
-    assert pipeline.plan.walk_segments == 4 and pipeline.plan.segment_states is not None
+    assert pipeline.plan.walk_segments == 2 and pipeline.plan.segment_states is not None
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
     split = run_stages(problem, states_returned=final_states)

@@ -109,8 +109,8 @@ def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, n
     pairs or more walk their chunks: 64 x 128 tiles, the state columns halved where fewer than 128
     blocks would walk (``ssd.state_scan_tiles``). compute_out's tiles come from the key's
     chunk-64 table entry, else chunk 256's. From SCAN_OUT_MIN_ROW_HEADS pairs (at dstate up to
-    128), or fewer in sequences long enough to split (1024 tokens are not), the walk of
-    kernels/scan_out.py runs instead of both (the tests below)."""
+    128) the walk of kernels/scan_out.py runs instead of both (the tests below); with fewer
+    pairs, only where the fused scan does not take the call."""
     key = replace(anchor_key(), batch=batch, nheads=nheads, ngroups=ngroups, seqlen=seqlen)
     assert ssd.default_chunk_size(_meta_problem(key)) == ssd.STATE_SCAN_CHUNK_SIZE == 64
     fused = replace(key, chunk_size=64, states_returned=False)
@@ -151,32 +151,46 @@ def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
         assert ssd.make_plan(replace(fused, **change)).scan_out is None, change
 
 
-def test_below_128_row_heads_the_walk_splits_the_sequence_into_segments():
-    """The third anchor's 64 pairs (1024 chunks at chunk 64): four segments, 256 blocks, one
-    paired round on 132 SMs; first the states-only walk of the three segments but the last
-    (no out, no scores, from zero), then the walk of all four from float32 entering states. No
-    split where pairs reach SCAN_OUT_MIN_ROW_HEADS, nor where segments would be shorter than
-    WALK_SEGMENT_MIN_CHUNKS (the fused scan then, as before)."""
-    key = replace(anchor_key(), batch=1, seqlen=65536, chunk_size=64, states_returned=False)
-    assert ssd.default_chunk_size(_meta_problem(replace(key, chunk_size=256))) == 64
+def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
+    """The third anchor's 64 pairs returning final states (1024 chunks at chunk 64): two
+    segments, 128 blocks, one round on 132 SMs, one block an SM; first the states-only walk of
+    the first segment (no out, no scores, from zero), then the walk of both from float32
+    entering states. Out alone, the fused scan keeps 64 pairs; 32 pairs split in four. No walk
+    where pairs times segments stay under WALK_MIN_SPLIT_ROW_HEADS (segments shorter than
+    WALK_SEGMENT_MIN_CHUNKS cap them), nor for fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
+    key = replace(anchor_key(), batch=1, seqlen=65536, chunk_size=64)
+    assert ssd.default_chunk_size(_meta_problem(replace(key, chunk_size=256),
+                                                return_final_states=True)) == 64
     plan = ssd.make_plan(key)
-    assert plan.walk_segments == ssd.walk_segments(key, ssd.REFERENCE_SM_COUNT) == 4
+    assert plan.walk_segments == ssd.walk_segments(key, ssd.REFERENCE_SM_COUNT) == 2
     assert [name for name, _ in plan.named_configs()] == ["chunk_cumsum", "segment_states",
                                                            "chunk_scores", "scan_out"]
     ends, walk = plan.segment_states, plan.scan_out
     assert (ends.computes_out, ends.segmented, ends.has_start, ends.shared_scores,
-            ends.occupancy) == (False, True, False, False, 2)
+            ends.occupancy) == (False, True, False, False, None)
     assert (walk.computes_out, walk.segmented, walk.has_start, walk.start_dtype,
-            walk.occupancy) == (True, True, True, torch.float32, 2)
+            walk.occupancy, walk.state_precision) == (True, True, True, torch.float32, None,
+                                                      "3xbf16")
     assert ssd.make_plan(replace(key, start_dtype=bf16)).scan_out.start_dtype == torch.float32
-    assert ssd.walk_segments(replace(key, seqlen=32768), 132) == 4       # 512 chunks
-    assert ssd.walk_segments(replace(key, nheads=16), 132) == 16         # 16 blocks
+    out_alone = replace(key, states_returned=False)
+    assert ssd.make_plan(out_alone).scan_out is None                     # the fused scan's
+    assert ssd.make_plan(replace(out_alone, nheads=32)).walk_segments == 4
+    assert ssd.walk_segments(replace(key, nheads=16), 132) == 8          # 16 blocks
     assert ssd.walk_segments(replace(key, nheads=2), 132) == ssd.WALK_MAX_SEGMENTS == 16
     assert ssd.walk_segments(replace(key, batch=2), 132) == 1            # 128 pairs
-    short = replace(key, seqlen=2047)                                    # 32 chunks
+    assert ssd.walk_segments(replace(key, nheads=96), 132) == 1          # 192 blocks in 2
+    assert ssd.make_plan(replace(key, nheads=96)).scan_out.segmented is False
+    short = replace(key, seqlen=8192)                                    # 128 chunks
     assert ssd.walk_segments(short, 132) == 2
-    assert ssd.walk_segments(replace(short, seqlen=2048 - 64), 132) == 1
-    assert ssd.make_plan(replace(short, seqlen=1984)).scan_out is None
+    assert ssd.walk_segments(replace(short, seqlen=8192 - 64), 132) == 1
+    assert ssd.make_plan(replace(short, seqlen=8192 - 64)).scan_out is None
+    assert ssd.make_plan(replace(key, nheads=40)).scan_out is None       # 80 blocks in 2
+    assert ssd.make_plan(replace(key, nheads=8)).walk_segments == 16     # 1024 chunks
+    assert ssd.make_plan(replace(key, nheads=8, seqlen=32768)).scan_out is None  # 64 blocks
+    fp16 = replace(key, x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)
+    assert ssd.make_plan(fp16).scan_out is None
+    assert ssd.default_chunk_size(_meta_problem(replace(fp16, chunk_size=256),
+                                                return_final_states=True)) == 256
 
 
 def test_segment_entering_states_carry_the_reference_walk_across_segments():
