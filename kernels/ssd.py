@@ -640,10 +640,10 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     else None: a bf16 call in 'input' or an fp16 one in '2xfp16' (the defaults) at chunk
     STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, or fewer
     split in ``segments`` (``walk_segments``) where ``walk_takes_few_pairs``, a state whose
-    rows fit the kernel's registers, no packed sequences, not both z and D unless the walk's blocks run paired
-    (``scan_out_occupancy``), and no chunk states handed back. The state update is in the
-    mode ``state_precision`` gives the chunk states: out alone, 'input' (bf16) or '2xfp16';
-    returning final states, their float32-grade mode."""
+    rows fit the kernel's registers, no packed sequences, not both z and D unless the walk's
+    blocks run paired (``scan_out_occupancy``), and no chunk states handed back. The state
+    update is in the mode ``state_precision`` gives the chunk states: out alone, 'input'
+    (bf16) or '2xfp16'; returning final states, their float32-grade mode."""
     if not (WALK_MODES.get(key.x_dtype) == mode
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
