@@ -355,9 +355,11 @@ class Plan:
     # When set, stages 2 and 3 are this one kernel (after the scores, when shared).
     scan_out: Optional[ScanOutConfig] = None
     # With scan_out, the segments it walks each sequence in (``walk_segments``), and, split, the
-    # states-only walk that gives the segments' end states before it.
+    # states-only walk that gives the segments' end states before it, in segment_split parts a
+    # segment (more blocks: the walk's segments fill the SMs, its first segments alone do not).
     segment_states: Optional[ScanOutConfig] = None
     walk_segments: int = 1
+    segment_split: int = 1
 
     def named_configs(self) -> tuple[tuple[str, object], ...]:
         """(kernel name, config) in launch order; the scores kernel only when compute_out shares
@@ -838,21 +840,24 @@ class StagePipeline:
 
     def walk(self, dt, log2_cumsum, stream=None):
         """(out, final_states) of kernels/scan_out.py's walk, where the plan has one; split in
-        ``plan.walk_segments``, after the states-only walk and the segments' entering states."""
+        ``plan.walk_segments``, after the states-only walk (of ``plan.segment_split`` parts a
+        segment) and the segments' entering states."""
         p, plan = self.problem, self.plan
-        segments = plan.walk_segments
+        segments, split = plan.walk_segments, plan.segment_split
         if segments == 1:
             return scan_out(p.x, p.B, p.C, dt, log2_cumsum, p.initial_states, self._d(), p.z,
                             plan.scan_out, stream)
+        # Parts of whole steps, ``split`` a segment (scan_out.segment_entering_states).
         steps = -(-p.seqlen // (plan.scan_out.chunk_size * plan.scan_out.chunks_per_step))
-        segment_steps = -(-steps // segments)
+        part_steps = -(-steps // (segments * split))
+        parts = (segments - 1) * split
         _, ends = scan_out(p.x, p.B, p.C, dt, log2_cumsum, None, None, None,
-                           plan.segment_states, stream, segments - 1, segment_steps)
+                           plan.segment_states, stream, parts, part_steps)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             entering = segment_entering_states(ends, log2_cumsum, p.initial_states, segments,
-                                               segment_steps * plan.scan_out.chunks_per_step)
+                                               part_steps * plan.scan_out.chunks_per_step, split)
         out, finals = scan_out(p.x, p.B, p.C, dt, log2_cumsum, entering, self._d(), p.z,
-                               plan.scan_out, stream, segments, segment_steps)
+                               plan.scan_out, stream, segments, split * part_steps)
         return out, finals.view(p.batch, segments, *finals.shape[1:])[:, -1].contiguous()
 
     def out(self, dt, log2_cumsum, chunk_states, stream=None):

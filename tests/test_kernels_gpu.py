@@ -531,3 +531,29 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
         out.float().abs().max())
     if final_states:
         assert float((split.final_states - final).norm() / final.norm()) < 1e-5
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("parts", [2, 4])
+def test_the_states_only_walk_in_parts_gives_the_split_walk_its_entering_states(parts):
+    """The split walk's states-only walk in 2 and 4 parts a segment (``Plan.segment_split``,
+    branch exp/walk-segments-prepass) at 48 pairs over 129 chunks, from initial states: out
+    within a few units of bf16 of the split walk's with one part a segment, final states
+    within 1e-5, their carries ordered otherwise only at the parts' seams."""
+    from dataclasses import replace as changed
+
+    from kernels.ssd import stage_pipeline
+    spec = ProblemSpec(batch=1, seqlen=8200, nheads=48, headdim=64, dstate=128, ngroups=1,
+                       chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D="head",
+                       initial_states=True, return_final_states=True)
+    problem = build_problem(spec, "cuda")
+    pipeline = stage_pipeline(problem, states_returned=True)
+    assert pipeline.plan.walk_segments == 2 and pipeline.plan.segment_split == 1
+    parted = changed(pipeline, plan=changed(pipeline.plan, segment_split=parts))
+    (out, final), (parted_out, parted_final) = (
+        p.walk(*p.cumsum()) for p in (pipeline, parted))
+    eps = torch.finfo(problem.x.dtype).eps
+    assert float((parted_out.float() - out.float()).abs().max()) <= 4 * eps * float(
+        out.float().abs().max())
+    assert float((parted_final - final).norm() / final.norm()) < 1e-5

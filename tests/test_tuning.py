@@ -193,35 +193,40 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
                                                 return_final_states=True)) == 256
 
 
-def test_segment_entering_states_carry_the_reference_walk_across_segments():
-    """kernels.scan_out.segment_entering_states, from each segment's end state walked from zero
-    (the reference on the segment alone) and the chunks' log2 decays split hi + lo as the
-    kernels store them, gives the reference's state entering each segment's first chunk;
-    most decays between 0.05 and 0.95 (mamba2_init at 7-chunk segments), so a dropped decay
-    would show."""
+@pytest.mark.parametrize("segments, parts_per_segment", [(4, 1), (2, 2), (2, 3)])
+def test_segment_entering_states_carry_the_reference_walk_across_segments(segments,
+                                                                         parts_per_segment):
+    """kernels.scan_out.segment_entering_states, from each part's end state walked from zero
+    (the reference on the part alone; a segment of one, two or three parts) and the chunks'
+    log2 decays split hi + lo as the kernels store them, gives the reference's state entering
+    each segment's first chunk; most decays between 0.05 and 0.95 (mamba2_init at 5- to 7-chunk
+    parts), so a dropped decay would show."""
     from kernels.contract import validate
     from kernels.scan_out import segment_entering_states
     from oracles.chunked_reference import chunked_ssd
     from properties.problems import ProblemSpec, build_problem
-    Q, segments = 8, 4
+    Q = 8
     p = build_problem(ProblemSpec(batch=2, seqlen=200, nheads=3, headdim=8, dstate=8, ngroups=1,
                                   chunk_size=Q, initial_states=True, seed=5))
     reference = chunked_ssd(p, torch.float64, torch.float64)
-    segment_chunks = -(-p.seqlen // Q // segments)        # 25 chunks: 7, 7, 7, 4
+    # 25 chunks: parts of 7 (7, 7, 7, 4 in four segments), 7 (two segments of 14 and 11), 5
+    part_chunks = -(-p.seqlen // Q // (segments * parts_per_segment))
     S = reference.stages["log2_decay_cumsum"]            # (b, H, nchunks, Q) float64
     hi = S.to(torch.float32)
     cumsum = torch.stack((hi, (S - hi.to(torch.float64)).to(torch.float32)), 3)
     ends = []
-    for k in range(segments - 1):
-        part = slice(k * segment_chunks * Q, (k + 1) * segment_chunks * Q)
+    for k in range((segments - 1) * parts_per_segment):
+        part = slice(k * part_chunks * Q, (k + 1) * part_chunks * Q)
         alone = validate(p.x[:, part], p.dt[:, part], p.A, p.B[:, part], p.C[:, part], Q,
                          return_final_states=True)
         ends.append(chunked_ssd(alone, torch.float64, torch.float64).final_states)
     ends = torch.stack(ends, 1).flatten(0, 1).to(torch.float32)
-    got = segment_entering_states(ends, cumsum, p.initial_states, segments, segment_chunks)
-    want = reference.stages["chunk_states"][:, ::segment_chunks]   # (b, segments, H, P, N)
+    got = segment_entering_states(ends, cumsum, p.initial_states, segments, part_chunks,
+                                  parts_per_segment)
+    want = reference.stages["chunk_states"][:, ::part_chunks * parts_per_segment]
+    assert want.shape[1] == segments
     got = got.view(want.shape).to(torch.float64)
-    decays = torch.exp2(S[..., -1].view(2, 3, -1)[:, :, :segment_chunks].sum(2))
+    decays = torch.exp2(S[..., -1].view(2, 3, -1)[:, :, :part_chunks].sum(2))
     assert float(((decays > 0.05) & (decays < 0.95)).double().mean()) >= 0.5
     assert float((got - want).norm() / want.norm()) < 1e-6
 
