@@ -43,8 +43,8 @@ segments of whole steps, a block per (row, segment, head, P block): first the st
 zero; then ``segment_entering_states`` carries those end states across the segments, as the
 walk carries its state across chunks; then the walk runs each segment from its entering state.
 The states-only walk may take each segment in parts (``kernels.ssd.Plan.segment_split``: more
-blocks, shorter walks), whose end states carry the same way. The cost: x and B read once more for all but the last segment, and the segments' float32
-states (a few MB). On sm_90, one block an SM as dispatched (64 heads with final states, 32
+blocks, shorter walks), whose end states carry the same way. The cost: x and B read once more
+for all but the last segment, and the segments' float32 states (a few MB). On sm_90, one block an SM as dispatched (64 heads with final states, 32
 heads out alone, one row of 65,536 tokens): the states-only walk 255 registers, no spill,
 128,168 / 139,472 bytes of shared memory; the walk from entering states 168 registers, no
 spill, 218,672 / 220,760 bytes.
@@ -258,30 +258,33 @@ def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutCon
 
 
 def segment_entering_states(end_states, log2_decay_cumsum, initial_states, segments: int,
-                            segment_chunks: int) -> torch.Tensor:
-    """(b * segments, H, P, N) fp32: the state entering each segment of ``segment_chunks``
-    chunks, from end_states (b * (segments - 1), H, P, N) fp32, each segment's end state from
-    zero (the segments but the last), the chunks' log2 decays (b, H, nchunks, 2, Q) fp32 and
-    initial_states (b, H, P, N) or None:
+                            part_chunks: int, parts_per_segment: int = 1) -> torch.Tensor:
+    """(b * segments, H, P, N) fp32: the state entering each segment of ``parts_per_segment``
+    parts of ``part_chunks`` chunks, from end_states (b * (segments - 1) * parts_per_segment,
+    H, P, N) fp32, each part's end state from zero (the parts of the segments but the last),
+    the chunks' log2 decays (b, H, nchunks, 2, Q) fp32 and initial_states (b, H, P, N) or None:
 
-        h_0 = initial,   h_k = 2^(D_{k-1}) h_{k-1} + end_{k-1},   D_k = sum of segment k's
+        h_0 = initial,   h_k = 2^(D_{k-1}) h_{k-1} + end_{k-1},   D_k = sum of part k's
                                                                   chunk decays (log2)
 
-    as the walk carries its state across chunks, one segment at a time. The decay sums are
-    taken in float64: a segment's sum reaches thousands where a chunk's is tens."""
+    as the walk carries its state across chunks, one part at a time; a segment enters where its
+    first part does. The decay sums are taken in float64: a part's sum reaches thousands where a
+    chunk's is tens."""
     b, H = log2_decay_cumsum.shape[:2]
     P, N = end_states.shape[2:]
-    ends = end_states.view(b, segments - 1, H, P, N)
+    parts = (segments - 1) * parts_per_segment + 1
+    ends = end_states.view(b, parts - 1, H, P, N)
     chunk_decays = log2_decay_cumsum[:, :, :, :, -1].to(torch.float64).sum(3)      # (b, H, nc)
-    padded = torch.nn.functional.pad(chunk_decays,
-                                     (0, segments * segment_chunks - chunk_decays.shape[2]))
-    decays = torch.exp2(padded.view(b, H, segments, segment_chunks).sum(3)).to(torch.float32)
-    entering = torch.empty(b, segments, H, P, N, device=end_states.device, dtype=torch.float32)
+    # The parts up to the last segment's first, the sequence zero-padded to cover them.
+    covered = chunk_decays[:, :, :parts * part_chunks]
+    padded = torch.nn.functional.pad(covered, (0, parts * part_chunks - covered.shape[2]))
+    decays = torch.exp2(padded.view(b, H, parts, part_chunks).sum(3)).to(torch.float32)
+    entering = torch.empty(b, parts, H, P, N, device=end_states.device, dtype=torch.float32)
     if initial_states is None:
         entering[:, 0].zero_()
     else:
         entering[:, 0].copy_(initial_states)
-    for k in range(1, segments):
+    for k in range(1, parts):
         torch.addcmul(ends[:, k - 1], entering[:, k - 1], decays[:, :, k - 1, None, None],
                       out=entering[:, k])
-    return entering.view(b * segments, H, P, N)
+    return entering[:, ::parts_per_segment].reshape(b * segments, H, P, N)
