@@ -39,15 +39,15 @@ Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures a
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third
 anchor: 1.83 ms against the scan and compute_out's 1.36). Split, each sequence is walked in
 segments of whole steps, a block per (row, segment, head, P block): first the states alone
-(``computes_out`` False: no C, scores, z or out) through every segment but the last, from
-zero; then ``segment_entering_states`` carries those end states across the segments, as the
-walk carries its state across chunks; then the walk runs each segment from its entering state.
-The states-only walk may take each segment in parts (``kernels.ssd.Plan.segment_split``: more
+(``computes_out`` False: no C, scores, z or out) through every segment but the last, from zero;
+then ``segment_entering_states`` carries those end states across the segments, as the walk
+carries its state across chunks; then the walk runs each segment from its entering state. The
+states-only walk may take each segment in parts (``kernels.ssd.Plan.segment_split``: more
 blocks, shorter walks), whose end states carry the same way. The cost: x and B read once more
-for all but the last segment, and the segments' float32 states (a few MB). On sm_90, one block an SM as dispatched (64 heads with final states, 32
-heads out alone, one row of 65,536 tokens): the states-only walk 255 registers, no spill,
-128,168 / 139,472 bytes of shared memory; the walk from entering states 168 registers, no
-spill, 218,672 / 220,760 bytes.
+for all but the last segment, and the segments' float32 states (a few MB). On sm_90, one block
+an SM as dispatched (64 heads with final states, 32 heads out alone, one row of 65,536 tokens):
+the states-only walk 255 registers, no spill, 128,168 / 139,472 bytes of shared memory; the
+walk from entering states 168 registers, no spill, 218,672 / 220,760 bytes.
 Unsplit (``segmented`` False) it compiles to the machine code it had before the knob.
 """
 from __future__ import annotations
