@@ -273,8 +273,8 @@ def compare(stage: str, actual: torch.Tensor, exact: torch.Tensor, baseline: tor
     excused = torch.isinf(got) & (e.abs() + allowed >= overflow_threshold(dtype))
     kept = ~excused
     finite = bool(torch.isfinite(got[kept]).all())
-    err = float((got - e)[kept].abs().nan_to_num(nan=math.inf, posinf=math.inf).max()) if bool(kept.any()) \
-        else 0.0
+    deviation = (got - e)[kept].abs().nan_to_num(nan=math.inf, posinf=math.inf)
+    err = float(deviation.max()) if bool(kept.any()) else 0.0
     metrics = error_metrics(got[kept], e[kept], dtype)
     return dict(dtype=str(dtype).replace("torch.", ""), max_abs=err, ref_max_abs=base_err,
                 k=k, floor=floor, allowed=allowed, ratio=err / allowed, finite=finite,
