@@ -147,10 +147,11 @@ QUICK_CASES = (
     case("fp16-out-only-walk-L900-Q64-b2-h64-n128-large-magnitude-z", x_dtype="fp16",
          bc_dtype="fp16", regime="large_magnitude", batch=2, seqlen=900, nheads=64, ngroups=1,
          dstate=128, chunk_size=64, z=True, return_final_states=False),
-    # ... and split into segments where it has fewer pairs (ssd.walk_segments): 48 pairs over 129
-    # chunks walk in two segments, the last partial, from initial states.
-    case("bf16-final-states-walk-segments-L8200-Q64-b1-h48-n128-init-Dchannel", x_dtype="bf16",
-         bc_dtype="bf16", batch=1, seqlen=8200, nheads=48, ngroups=1, dstate=128, chunk_size=64,
+    # ... and split into segments where it has fewer pairs (ssd.walk_segments): 48 pairs over 257
+    # chunks walk in two segments, the last partial, the first's end state in two parts
+    # (ssd.segment_split), from initial states.
+    case("bf16-final-states-walk-segments-L16400-Q64-b1-h48-n128-init-Dchannel", x_dtype="bf16",
+         bc_dtype="bf16", batch=1, seqlen=16400, nheads=48, ngroups=1, dstate=128, chunk_size=64,
          D="channel", initial_states=True, return_final_states=True),
     case("bf16-2xbf16-L1000-Q256-Dhead-z", precision="2xbf16", x_dtype="bf16", bc_dtype="bf16",
          seqlen=1000, chunk_size=256, D="head", z=True),

@@ -210,22 +210,31 @@ SCAN_OUT_PAIRED_COST = 1.68
 # spills 120 bytes on sm_90 (255 registers, 36 MMAs a chunk) and tileiras 13.4 fails to compile
 # it for sm_80 ("defOp must be scheduled BEFORE useOp").
 WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
-# Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence into segments
-# (``walk_segments``): a states-only walk gives each segment's end state from zero, a sum over
-# the segments gives the state entering each one (kernels.scan_out.segment_entering_states), and
-# the walk then runs every segment from its entering state, b * H * segments blocks. The most
-# segments (a power of two, at most WALK_MAX_SEGMENTS: the entering states are carried one
-# segment a torch launch) whose blocks fit one round on the SMs, one block an SM, each of
-# WALK_SEGMENT_MIN_CHUNKS chunks or more; the walk takes the call where its pairs times its
-# segments reach WALK_MIN_SPLIT_ROW_HEADS, split only where the fused scan does not take it
-# (``walk_takes_few_pairs``). Measured on the H200 against main's path at 13 shapes, 8 to 96
-# pairs (experiments/ab_segments_16780b5.txt, ab_segments2_16780b5.txt): one round alone was
-# the fastest split at every bf16 shape (64 pairs in 2 segments 0.857x chunk 256 with final
-# states against 0.952x in 4, one paired round); 96 pairs unsplit 0.775x the fused scan out
-# alone and 0.743x chunk 256 with final states; 32 pairs in 4 segments 0.836x and 0.847x, 16
-# in 8 0.809x. Lost: segments of 32 chunks (1.04-1.09x), fewer than 96 blocks (8 pairs in 4
-# segments 2.2x), splits against the fused scan at 64 pairs (0.985-1.26x), and fp16's walk
-# ('2xfp16', one block an SM: 0.96-1.03x), which keeps SCAN_OUT_MIN_ROW_HEADS.
+# Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
+# chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
+# state from zero, a sum over the segments gives the state entering each one
+# (kernels.scan_out.segment_entering_states), and the walk then runs every segment from its
+# entering state, b * H * segments blocks. The most segments (a power of two, at most
+# WALK_MAX_SEGMENTS: the entering states are carried one segment a torch launch) whose blocks
+# fit one round on the SMs, one block an SM, each of WALK_SEGMENT_MIN_CHUNKS chunks or more; the
+# walk takes the call where its pairs times its segments reach WALK_MIN_SPLIT_ROW_HEADS
+# (``walk_takes_few_pairs``), and its states-only walk takes each segment in the fewest parts
+# (a power of two) that give it as many blocks (``segment_split``). Measured on the H200 against
+# main's path (experiments/ab_segments_16780b5.txt, ab_segments2_16780b5.txt,
+# ab_prepass_dacde8e.txt): one round alone was the fastest split at every bf16 shape (64 pairs
+# in 2 segments 0.857x chunk 256 with final states against 0.952x in 4, one paired round); 96
+# pairs unsplit 0.775x the fused scan out alone and 0.743x chunk 256 with final states; 32 pairs
+# in 4 segments 0.833x and 0.842x, 16 in 8 0.804x, 8 in 16 0.703-0.808x. In parts the
+# states-only walk turned 64 pairs out alone from a loss against the fused scan (0.988-1.06x in
+# one part) into a win at 8 of 9 shapes of 16,384 to 131,072 tokens (0.831-0.969x in two parts;
+# the third anchor 0.867x; lost: 2 x 32 heads in 8 groups, 1.03-1.04x), and with final states
+# 0.708-0.771x; 48 pairs in two parts 0.955x out alone, 0.905x with final states, where in one
+# part they lost (1.09-1.10x). Lost: sequences of 128 chunks (8,192 tokens, segments of 64: out
+# alone 1.05-1.09x), segments of 32 chunks (1.04-1.09x), fewer than 96 blocks (8 pairs in 4
+# segments 2.2x), more parts than the rule's (64 pairs in 4 at most 0.6% faster, 16 pairs in 2
+# 6% slower), and fp16's walk ('2xfp16', one block an SM: 0.96-1.03x), which keeps
+# SCAN_OUT_MIN_ROW_HEADS.
+WALK_SPLIT_MIN_CHUNKS = 256
 WALK_SEGMENT_MIN_CHUNKS = 64
 WALK_MAX_SEGMENTS = 16
 WALK_MIN_SPLIT_ROW_HEADS = 96
@@ -606,10 +615,12 @@ def walk_blocks(key: ProblemKey) -> int:
 
 
 def walk_segments(key: ProblemKey, sms: int) -> int:
-    """The segments the walk splits each sequence into: 1 from SCAN_OUT_MIN_ROW_HEADS pairs,
-    else the most (a power of two, up to WALK_MAX_SEGMENTS) whose blocks fit one round on
-    ``sms`` SMs, one block an SM, with WALK_SEGMENT_MIN_CHUNKS chunks or more each."""
-    if key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS:
+    """The segments the walk splits each sequence into: 1 from SCAN_OUT_MIN_ROW_HEADS pairs or
+    below WALK_SPLIT_MIN_CHUNKS chunks, else the most (a power of two, up to WALK_MAX_SEGMENTS)
+    whose blocks fit one round on ``sms`` SMs, one block an SM, with WALK_SEGMENT_MIN_CHUNKS
+    chunks or more each."""
+    if (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
+            or key.nchunks < WALK_SPLIT_MIN_CHUNKS):
         return 1
     segments = 1
     while (segments < WALK_MAX_SEGMENTS and walk_blocks(key) * segments * 2 <= sms
@@ -618,13 +629,22 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     return segments
 
 
-def walk_takes_few_pairs(key: ProblemKey, mode: str, states_mode: str, segments: int) -> bool:
+def segment_split(key: ProblemKey, segments: int) -> int:
+    """The parts each of the first ``segments - 1`` segments' states-only walk takes: the fewest
+    (a power of two) with WALK_MIN_SPLIT_ROW_HEADS pairs times parts, as the walk has; 1
+    unsplit."""
+    split = 1
+    while (segments > 1
+           and key.batch * key.nheads * (segments - 1) * split < WALK_MIN_SPLIT_ROW_HEADS):
+        split *= 2
+    return split
+
+
+def walk_takes_few_pairs(key: ProblemKey, mode: str, segments: int) -> bool:
     """Whether the walk takes a call of fewer than SCAN_OUT_MIN_ROW_HEADS (row, head) pairs in
     ``segments`` segments: in 'input' (bf16 x), with WALK_MIN_SPLIT_ROW_HEADS pairs times
-    segments or more, split only where the fused scan does not take the call."""
-    return (mode == "input"
-            and key.batch * key.nheads * segments >= WALK_MIN_SPLIT_ROW_HEADS
-            and (segments == 1 or not fuses_state_scan(key, states_mode)))
+    segments or more."""
+    return mode == "input" and key.batch * key.nheads * segments >= WALK_MIN_SPLIT_ROW_HEADS
 
 
 def walk_occupancy(key: ProblemKey, mode: str, sms: int, segments: int = 1) -> Optional[int]:
@@ -649,7 +669,7 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     if not (WALK_MODES.get(key.x_dtype) == mode
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
-                 or walk_takes_few_pairs(key, mode, states_mode, segments))
+                 or walk_takes_few_pairs(key, mode, segments))
             and next_pow2(key.dstate) <= SCAN_OUT_MAX_DSTATE
             and key.seq_dtype is None and not key.per_seq_start and not key.varlen
             and not key.chunk_states_returned
@@ -749,6 +769,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                wide=wide)
     walk = segment_states = None
     walk_states_mode, occupancy, segments = walk_dispatch(key, mode, states_mode, sms)
+    parts = segment_split(key, segments)
     if walk_states_mode is not None:
         # Split, every segment starts from a float32 state (the first from the call's own).
         split = segments > 1
@@ -763,12 +784,12 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                             and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE),
                              wide=wide, occupancy=occupancy, segmented=split)
         if split:
-            # The segments but the last, their state alone from zero.
+            # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
                 walk, start_dtype=f32, has_start=False, has_d=False, has_z=False,
                 shared_scores=False, computes_out=False,
-                occupancy=walk_occupancy(key, mode, sms, segments - 1))
-    return Plan(cumsum, chunk_state, passing, out, scan, walk, segment_states, segments)
+                occupancy=walk_occupancy(key, mode, sms, (segments - 1) * parts))
+    return Plan(cumsum, chunk_state, passing, out, scan, walk, segment_states, segments, parts)
 
 
 def _check_supported(problem: SSDProblem, state_dtype) -> None:

@@ -108,7 +108,7 @@ COVERING_KEYS = (
        replace(key, chunk_size=q, states_returned=False), None, None)
       for q in (64, 128)
       for name, key in (("b8-L4096-h64", _anchor(8, 4096, 64, 1)),
-                        ("b1-L65536-h64", _anchor(1, 65536, 64, 1)),
+                        ("b1-L8192-h64", _anchor(1, 8192, 64, 1)),
                         ("b4-L8192-h32-g8", _anchor(4, 8192, 32, 8)))),
     *((f"anchor-b8-L4096-h64-q64-out-only-fused-{name}",
        replace(_anchor(8, 4096, 64, 1), chunk_size=64, states_returned=False, **kw), None, None)

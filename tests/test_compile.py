@@ -112,16 +112,18 @@ LAUNCH_SPECS = (
     ProblemSpec(batch=1, seqlen=129, nheads=4, headdim=16, dstate=16, chunk_size=128,
                 x_dtype="fp16", bc_dtype="bf16", param_dtype="bf16", cu_seqlens=(0, 64, 129),
                 pass_seq_idx=False, return_varlen_states=True),
-    # The walk of kernels/scan_out.py in two segments (129 chunks of 48 heads,
-    # ssd.walk_segments): the segments' end states, then the walk from their entering states.
-    ProblemSpec(batch=1, seqlen=8200, nheads=48, headdim=64, dstate=128, chunk_size=64,
+    # The walk of kernels/scan_out.py in two segments (257 chunks of 48 heads,
+    # ssd.walk_segments): the end states of the first segment's two parts (ssd.segment_split),
+    # then the walk from the segments' entering states.
+    ProblemSpec(batch=1, seqlen=16400, nheads=48, headdim=64, dstate=128, chunk_size=64,
                 x_dtype="bf16", bc_dtype="bf16", D="channel", initial_states=True),
 )
 
 
-def _grid(name: str, cfg, problem, segments: int) -> tuple:
-    """The launch grid that covers every output tile of kernel ``name`` once (the walk's, of its
-    ``segments`` segments of each sequence; the segments' end states, of all but the last)."""
+def _grid(name: str, cfg, problem, plan) -> tuple:
+    """The launch grid that covers every output tile of kernel ``name`` once (the walk's, of the
+    plan's segments of each sequence; the segments' end states, of the parts of all but the
+    last)."""
     b, L, H, P, N = problem.batch, problem.seqlen, problem.nheads, problem.headdim, problem.dstate
     nchunks = math.ceil(L / problem.chunk_size)
     nseq = 0 if problem.cu_seqlens is None else problem.nseq
@@ -132,7 +134,8 @@ def _grid(name: str, cfg, problem, segments: int) -> tuple:
     if name == "compute_out":
         return (b * nchunks * (cfg.chunk_size // cfg.row_block) * H * math.ceil(P / cfg.p_block),)
     if name in ("scan_out", "segment_states"):
-        walked = segments - (name == "segment_states")
+        walked = (plan.walk_segments if name == "scan_out"
+                  else (plan.walk_segments - 1) * plan.segment_split)
         return (b * walked * H * math.ceil(P / cfg.p_block),)
     per_row = H * math.ceil(P / cfg.p_block) * math.ceil(N / cfg.n_block)
     return ((nchunks + nseq) * b * per_row,) if name == "chunk_state" else (b * per_row,)
@@ -169,7 +172,7 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared
         assert len(args) == len(params), cfg.describe()
         for i, (constraint, arg) in enumerate(zip(params, args)):
             assert _constraint_matches(constraint, arg), f"{cfg.describe()}: argument {i}: {arg!r}"
-        assert grid == _grid(name, cfg, problem, plan.walk_segments), name
+        assert grid == _grid(name, cfg, problem, plan), name
 
 
 def _h200_kernel_names() -> list[str]:

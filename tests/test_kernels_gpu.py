@@ -501,8 +501,9 @@ def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate, final_states, dty
     (None, False, False), ("channel", False, True), (None, True, True), ("head", False, False)])
 def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unsplit_walk(
         D, z, final_states):
-    """48 (row, head) pairs over 129 chunks, bf16: the walk in two segments of 65 and 64 chunks,
-    the last partial (``ssd.walk_segments``), from initial states, held to the rule against
+    """48 (row, head) pairs over 257 chunks, bf16: the walk in two segments of 129 and 128
+    chunks, the last partial (``ssd.walk_segments``), the first's end state in two parts
+    (``ssd.segment_split``), from initial states, held to the rule against
     float64; and its out and final states within a few units of the output dtype of the
     unsplit walk's (the same plan, one segment), whose sums it orders otherwise only at the
     segments' seams."""
@@ -510,17 +511,18 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
 
     from kernels.gpu_check import check_problem
     from kernels.ssd import run_stages, stage_pipeline
-    spec = ProblemSpec(batch=1, seqlen=8200, nheads=48, headdim=64, dstate=128, ngroups=1,
+    spec = ProblemSpec(batch=1, seqlen=16400, nheads=48, headdim=64, dstate=128, ngroups=1,
                        chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
                        initial_states=True, return_final_states=final_states)
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=final_states)
-    assert pipeline.plan.walk_segments == 2 and pipeline.plan.segment_states is not None
+    assert pipeline.plan.walk_segments == pipeline.plan.segment_split == 2
+    assert pipeline.plan.segment_states is not None
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
     split = run_stages(problem, states_returned=final_states)
     walk = pipeline.plan.scan_out
-    unsplit_plan = changed(pipeline.plan, walk_segments=1, segment_states=None,
+    unsplit_plan = changed(pipeline.plan, walk_segments=1, segment_split=1, segment_states=None,
                            scan_out=changed(walk, segmented=False, has_start=True,
                                             start_dtype=problem.initial_states.dtype))
     unsplit = changed(pipeline, plan=unsplit_plan)
@@ -535,21 +537,21 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("parts", [1, 4])
 def test_the_states_only_walk_in_parts_gives_the_split_walk_its_entering_states(parts):
-    """The split walk's states-only walk in 2 and 4 parts a segment (``Plan.segment_split``,
-    branch exp/walk-segments-prepass) at 48 pairs over 129 chunks, from initial states: out
-    within a few units of bf16 of the split walk's with one part a segment, final states
-    within 1e-5, their carries ordered otherwise only at the parts' seams."""
+    """The split walk's states-only walk in 1 and 4 parts a segment against the 2 the dispatch
+    picks (``ssd.segment_split``) at 48 pairs over 257 chunks, from initial states: out within
+    a few units of bf16 of the dispatched walk's, final states within 1e-5, their carries
+    ordered otherwise only at the parts' seams."""
     from dataclasses import replace as changed
 
     from kernels.ssd import stage_pipeline
-    spec = ProblemSpec(batch=1, seqlen=8200, nheads=48, headdim=64, dstate=128, ngroups=1,
+    spec = ProblemSpec(batch=1, seqlen=16400, nheads=48, headdim=64, dstate=128, ngroups=1,
                        chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D="head",
                        initial_states=True, return_final_states=True)
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=True)
-    assert pipeline.plan.walk_segments == 2 and pipeline.plan.segment_split == 1
+    assert pipeline.plan.walk_segments == pipeline.plan.segment_split == 2
     parted = changed(pipeline, plan=changed(pipeline.plan, segment_split=parts))
     (out, final), (parted_out, parted_final) = (
         p.walk(*p.cumsum()) for p in (pipeline, parted))

@@ -152,17 +152,19 @@ def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
 
 
 def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
-    """The third anchor's 64 pairs returning final states (1024 chunks at chunk 64): two
-    segments, 128 blocks, one round on 132 SMs, one block an SM; first the states-only walk of
-    the first segment (no out, no scores, from zero), then the walk of both from float32
-    entering states. Out alone, the fused scan keeps 64 pairs; 32 pairs split in four. No walk
-    where pairs times segments stay under WALK_MIN_SPLIT_ROW_HEADS (segments shorter than
-    WALK_SEGMENT_MIN_CHUNKS cap them), nor for fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
+    """The third anchor's 64 pairs (1024 chunks at chunk 64), with final states or out alone:
+    two segments, 128 blocks, one round on 132 SMs, one block an SM; first the states-only walk
+    of the first segment in two parts (128 blocks, no out, no scores, from zero), then the walk
+    of both from float32 entering states. 32 pairs split in four, their first three segments
+    whole. No split below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs times segments stay
+    under WALK_MIN_SPLIT_ROW_HEADS (segments shorter than WALK_SEGMENT_MIN_CHUNKS cap them), nor
+    for fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
     key = replace(anchor_key(), batch=1, seqlen=65536, chunk_size=64)
     assert ssd.default_chunk_size(_meta_problem(replace(key, chunk_size=256),
                                                 return_final_states=True)) == 64
     plan = ssd.make_plan(key)
     assert plan.walk_segments == ssd.walk_segments(key, ssd.REFERENCE_SM_COUNT) == 2
+    assert plan.segment_split == ssd.segment_split(key, 2) == 2
     assert [name for name, _ in plan.named_configs()] == ["chunk_cumsum", "segment_states",
                                                            "chunk_scores", "scan_out"]
     ends, walk = plan.segment_states, plan.scan_out
@@ -173,17 +175,28 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
                                                       "3xbf16")
     assert ssd.make_plan(replace(key, start_dtype=bf16)).scan_out.start_dtype == torch.float32
     out_alone = replace(key, states_returned=False)
-    assert ssd.make_plan(out_alone).scan_out is None                     # the fused scan's
-    assert ssd.make_plan(replace(out_alone, nheads=32)).walk_segments == 4
+    assert ssd.default_chunk_size(_meta_problem(replace(out_alone, chunk_size=256))) == 64
+    split_out_alone = ssd.make_plan(out_alone)                          # not the fused scan
+    assert (split_out_alone.walk_segments, split_out_alone.segment_split) == (2, 2)
+    assert [name for name, _ in split_out_alone.named_configs()] == [
+        "chunk_cumsum", "segment_states", "chunk_scores", "scan_out"]
+    quarter = ssd.make_plan(replace(out_alone, nheads=32))
+    assert (quarter.walk_segments, quarter.segment_split) == (4, 1)     # 96 pairs of parts
+    assert ssd.segment_split(replace(key, nheads=48), 2) == 2
+    assert ssd.segment_split(replace(key, nheads=16), 8) == 1
+    assert ssd.segment_split(replace(key, nheads=16), 1) == 1
     assert ssd.walk_segments(replace(key, nheads=16), 132) == 8          # 16 blocks
     assert ssd.walk_segments(replace(key, nheads=2), 132) == ssd.WALK_MAX_SEGMENTS == 16
     assert ssd.walk_segments(replace(key, batch=2), 132) == 1            # 128 pairs
     assert ssd.walk_segments(replace(key, nheads=96), 132) == 1          # 192 blocks in 2
     assert ssd.make_plan(replace(key, nheads=96)).scan_out.segmented is False
-    short = replace(key, seqlen=8192)                                    # 128 chunks
-    assert ssd.walk_segments(short, 132) == 2
-    assert ssd.walk_segments(replace(short, seqlen=8192 - 64), 132) == 1
-    assert ssd.make_plan(replace(short, seqlen=8192 - 64)).scan_out is None
+    shortest = replace(key, seqlen=16384)                                # 256 chunks
+    assert ssd.walk_segments(shortest, 132) == 2
+    assert ssd.walk_segments(replace(shortest, seqlen=16384 - 64), 132) == 1
+    assert ssd.make_plan(replace(shortest, seqlen=16384 - 64)).scan_out is None
+    short_out_alone = ssd.make_plan(replace(out_alone, seqlen=8192))     # the fused scan's
+    assert [name for name, _ in short_out_alone.named_configs()] == [
+        "chunk_cumsum", "state_scan", "chunk_scores", "compute_out"]
     assert ssd.make_plan(replace(key, nheads=40)).scan_out is None       # 80 blocks in 2
     assert ssd.make_plan(replace(key, nheads=8)).walk_segments == 16     # 1024 chunks
     assert ssd.make_plan(replace(key, nheads=8, seqlen=32768)).scan_out is None  # 64 blocks
