@@ -225,15 +225,15 @@ WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
 # in 2 segments 0.857x chunk 256 with final states against 0.952x in 4, one paired round); 96
 # pairs unsplit 0.775x the fused scan out alone and 0.743x chunk 256 with final states; 32 pairs
 # in 4 segments 0.833x and 0.842x, 16 in 8 0.804x, 8 in 16 0.703-0.808x. In parts the
-# states-only walk turned 64 pairs out alone from a loss against the fused scan (0.988-1.06x in
+# states-only walk turned 64 pairs out alone from no gain over the fused scan (0.988-1.06x in
 # one part) into a win at 8 of 9 shapes of 16,384 to 131,072 tokens (0.831-0.969x in two parts;
 # the third anchor 0.867x; lost: 2 x 32 heads in 8 groups, 1.03-1.04x), and with final states
 # 0.708-0.771x; 48 pairs in two parts 0.955x out alone, 0.905x with final states, where in one
-# part they lost (1.09-1.10x). Lost: sequences of 128 chunks (8,192 tokens, segments of 64: out
-# alone 1.05-1.09x), segments of 32 chunks (1.04-1.09x), fewer than 96 blocks (8 pairs in 4
-# segments 2.2x), more parts than the rule's (64 pairs in 4 at most 0.6% faster, 16 pairs in 2
-# 6% slower), and fp16's walk ('2xfp16', one block an SM: 0.96-1.03x), which keeps
-# SCAN_OUT_MIN_ROW_HEADS.
+# part they lost (1.09-1.10x). More parts than the rule's: out alone 0.2-6% slower, with final
+# states 0.1% slower to 3.8% faster (64 and 48 pairs in four, 32 pairs in two). Lost: sequences
+# of 128 chunks (8,192 tokens, segments of 64: out alone 1.05-1.09x), segments of 32 chunks
+# (1.04-1.09x), fewer than 96 blocks (8 pairs in 4 segments 2.2x), and fp16's walk ('2xfp16',
+# one block an SM: 0.96-1.03x), which keeps SCAN_OUT_MIN_ROW_HEADS.
 WALK_SPLIT_MIN_CHUNKS = 256
 WALK_SEGMENT_MIN_CHUNKS = 64
 WALK_MAX_SEGMENTS = 16
