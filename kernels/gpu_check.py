@@ -147,6 +147,10 @@ QUICK_CASES = (
     case("fp16-out-only-walk-L900-Q64-b2-h64-n128-large-magnitude-z", x_dtype="fp16",
          bc_dtype="fp16", regime="large_magnitude", batch=2, seqlen=900, nheads=64, ngroups=1,
          dstate=128, chunk_size=64, z=True, return_final_states=False),
+    # ... and at dstate 256 in bf16, one block an SM (ssd.WALK_MAX_DSTATE).
+    case("bf16-out-only-walk-L900-Q64-b2-h64-n256-init-z", x_dtype="bf16", bc_dtype="bf16",
+         batch=2, seqlen=900, nheads=64, ngroups=1, dstate=256, chunk_size=64, z=True,
+         initial_states=True, return_final_states=False),
     # ... and split into segments where it has fewer pairs (ssd.walk_segments): 48 pairs over 257
     # chunks walk in two segments, the last partial, the first's end state in two parts
     # (ssd.segment_split), from initial states.

@@ -177,7 +177,7 @@ STATE_SCAN_TILES = (64, 128)
 STATE_SCAN_MIN_BLOCKS = 128
 # The scan and compute_out as one walk (kernels/scan_out.py, ``walk_state_precision``): no chunk
 # state stored, but one block per (row, head, P block) walks every chunk in order, with the whole
-# state (dstate up to SCAN_OUT_MAX_DSTATE) in registers. Measured on the H200 against the fused
+# state (dstate up to WALK_MAX_DSTATE of its mode) in registers. Measured on the H200 against the fused
 # scan then compute_out, both at chunk 64, one block per SM: 0.84-0.89x from 128 to 1024 (row,
 # head) pairs at H64 (first anchor 0.568 -> 0.500 ms), a tie at the second anchor's 128 pairs
 # (H32, G8: own scores), 1.35x slower at the third's 64 pairs (64 blocks for 132 SMs). Its
@@ -187,7 +187,14 @@ STATE_SCAN_MIN_BLOCKS = 128
 # (experiments/ab_scan_out_1a72178.txt, ab_scan_out_shapes_1a72178.txt).
 SCAN_OUT_MIN_ROW_HEADS = 128
 SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
-SCAN_OUT_MAX_DSTATE = 128
+# dstate 256 walks in 'input' (bf16) only, one block an SM (branch exp/walk-dstate256, not yet
+# measured on the H200). On sm_90 its block takes 168 registers, no spill, and 159,264 bytes of
+# shared memory out alone (151,048 with final states, '3xbf16'), whatever the occupancy hint,
+# so two never share an SM; tileiras 13.4 fails to compile the hint 2 for sm_100 (none: 168
+# registers, 8-32 bytes spilled) and spills on sm_80 (264 / 984 bytes). fp16's '2xfp16' walk
+# at dstate 256 spills 472 bytes on sm_90 and fills its shared memory (227,304 bytes): not run.
+WALK_MAX_DSTATE = {"input": 256, "2xfp16": 128}
+SCAN_OUT_PAIRED_MAX_DSTATE = 128
 # Alone, a walk block takes 220,728 bytes of shared memory on sm_90 (the first anchor), so one
 # runs per SM; compiled with occupancy=2 it takes 101,800 bytes and 128 registers, no spill, and
 # two share an SM, which then finishes both in SCAN_OUT_PAIRED_COST times one block's time
@@ -649,9 +656,10 @@ def walk_takes_few_pairs(key: ProblemKey, mode: str, segments: int) -> bool:
 
 def walk_occupancy(key: ProblemKey, mode: str, sms: int, segments: int = 1) -> Optional[int]:
     """``scan_out_occupancy`` of the walk's blocks, ``walk_blocks`` for each of ``segments``,
-    in 'input'; None in '2xfp16', where on sm_90 the hint 2 compiles to the same code as none
-    (168 registers, 203,752 bytes of shared memory at the first anchor: one block an SM)."""
-    if mode != "input":
+    in 'input' up to dstate SCAN_OUT_PAIRED_MAX_DSTATE; else None: in '2xfp16', where on sm_90
+    the hint 2 compiles to the same code as none (168 registers, 203,752 bytes of shared memory
+    at the first anchor: one block an SM), and at dstate 256 (``WALK_MAX_DSTATE``)."""
+    if mode != "input" or next_pow2(key.dstate) > SCAN_OUT_PAIRED_MAX_DSTATE:
         return None
     return scan_out_occupancy(walk_blocks(key) * segments, sms)
 
@@ -661,8 +669,8 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     """The mode of the walk's state update where stages 2 and 3 run as kernels/scan_out.py,
     else None: a bf16 call in 'input' or an fp16 one in '2xfp16' (the defaults) at chunk
     STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, or fewer
-    split in ``segments`` (``walk_segments``) where ``walk_takes_few_pairs``, a state whose
-    rows fit the kernel's registers, no packed sequences, not both z and D unless the walk's
+    split in ``segments`` (``walk_segments``) where ``walk_takes_few_pairs``, dstate up to
+    the mode's WALK_MAX_DSTATE (the state in registers), no packed sequences, not both z and D unless the walk's
     blocks run paired (``scan_out_occupancy``), and no chunk states handed back. The state
     update is in the mode ``state_precision`` gives the chunk states: out alone, 'input'
     (bf16) or '2xfp16'; returning final states, their float32-grade mode."""
@@ -670,7 +678,7 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
                  or walk_takes_few_pairs(key, mode, segments))
-            and next_pow2(key.dstate) <= SCAN_OUT_MAX_DSTATE
+            and next_pow2(key.dstate) <= WALK_MAX_DSTATE[mode]
             and key.seq_dtype is None and not key.per_seq_start and not key.varlen
             and not key.chunk_states_returned
             and (occupancy == 2 or not (key.has_d and key.z_dtype is not None))):

@@ -98,8 +98,7 @@ COVERING_KEYS = (
     # walk of kernels/scan_out.py (kernels.ssd.walk_state_precision; shared scores, or its own
     # for 32 heads in 8 groups and at dstate 64), else the fused state scan two chunks a step
     # (kernels.ssd.fuses_state_scan): 64 x 64 tiles for one row of 64 heads
-    # (kernels.ssd.state_scan_tiles), 64 x 128 at dstate 256, which the walk does not take. The
-    # walk's blocks run two to an SM at the first anchor's 512 (on the reference 132 SMs:
+    # (kernels.ssd.state_scan_tiles), 64 x 128 at dstate 256 there. The walk's blocks run two to an SM at the first anchor's 512 (on the reference 132 SMs:
     # kernels.ssd.scan_out_occupancy), and so also with both z and D; one to an SM for 32 heads
     # in 8 groups, and for 2 rows x 64 heads, which with both z and D keep the scan and
     # compute_out. At an explicit chunk 128, the state scan one chunk a step at the chunk-128
@@ -109,13 +108,14 @@ COVERING_KEYS = (
       for q in (64, 128)
       for name, key in (("b8-L4096-h64", _anchor(8, 4096, 64, 1)),
                         ("b1-L8192-h64", _anchor(1, 8192, 64, 1)),
+                        ("b1-L8192-h64-n256", replace(_anchor(1, 8192, 64, 1), dstate=256)),
                         ("b4-L8192-h32-g8", _anchor(4, 8192, 32, 8)))),
     *((f"anchor-b8-L4096-h64-q64-out-only-fused-{name}",
        replace(_anchor(8, 4096, 64, 1), chunk_size=64, states_returned=False, **kw), None, None)
       for name, kw in (("start-d", dict(start_dtype=f32, has_d=True)), ("z", dict(z_dtype=bf16)),
                        ("d-per-channel", dict(has_d=True, d_per_channel=True)),
                        ("z-d-per-channel", dict(has_d=True, d_per_channel=True, z_dtype=bf16)),
-                       ("n64", dict(dstate=64)), ("n256", dict(dstate=256)))),
+                       ("n64", dict(dstate=64)))),
     ("anchor-b2-L4096-h64-q64-out-only-fused-z-d-per-channel",
      replace(_anchor(2, 4096, 64, 1, has_d=True, d_per_channel=True, z_dtype=bf16),
              chunk_size=64, states_returned=False), None, None),
@@ -124,6 +124,15 @@ COVERING_KEYS = (
     *((f"anchor-{name}-q64-final-states-walk", replace(key, chunk_size=64), None, None)
       for name, key in (("b8-L4096-h64", _anchor(8, 4096, 64, 1)),
                         ("b4-L8192-h32-g8", _anchor(4, 8192, 32, 8)))),
+    # dstate 256 walks in bf16, one block an SM (kernels.ssd.WALK_MAX_DSTATE): out alone and
+    # with final states, and split where few pairs have long sequences.
+    *((f"anchor-b8-L4096-h64-q64-n256-{name}-walk",
+       replace(_anchor(8, 4096, 64, 1), dstate=256, chunk_size=64, states_returned=returned),
+       None, None)
+      for name, returned in (("out-only", False), ("final-states", True))),
+    ("b1-L65536-h64-q64-n256-out-only-walk-segments",
+     replace(_anchor(1, 65536, 64, 1), dstate=256, chunk_size=64, states_returned=False),
+     None, None),
     # Fewer pairs in sequences long enough to split (kernels.ssd.walk_segments): the states-only
     # walk of all segments but the last, then the walk from their entering states; with final
     # states (the third anchor's 64 heads, two segments) and out alone (32 heads, four).

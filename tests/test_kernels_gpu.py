@@ -473,13 +473,15 @@ def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_b
     (None, True, 128, False, "bf16"), ("channel", True, 128, False, "bf16"),
     (None, False, 64, False, "bf16"), (None, False, 128, True, "bf16"),
     ("channel", True, 128, True, "bf16"), (None, False, 128, False, "fp16"),
-    ("channel", False, 128, True, "fp16")])
+    ("channel", False, 128, True, "fp16"), (None, False, 256, False, "bf16"),
+    ("head", False, 256, True, "bf16"), (None, True, 256, False, "bf16")])
 def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate, final_states, dtype):
     """chunk_size=None at 512 (row, head) pairs: kernels/scan_out.py as the dispatcher runs it
     (``ssd.walk_state_precision``; its own scores at dstate 64; in bf16 two blocks to an SM on
-    the H200, ``ssd.scan_out_occupancy``, and so with both z and D; fp16 in '2xfp16'), out
-    alone or with the final states (its state update then float32-grade: '3xbf16', '3xfp16'),
-    each held to the rule against float64 over 15 chunks, the last partial."""
+    the H200, ``ssd.scan_out_occupancy``, and so with both z and D, but one at dstate 256, z or
+    D alone there; fp16 in '2xfp16'), out alone or with the final states (its state update then
+    float32-grade: '3xbf16', '3xfp16'), each held to the rule against float64 over 15 chunks,
+    the last partial."""
     from kernels.gpu_check import check_problem
     from kernels.ssd import default_chunk_size, stage_pipeline
     spec = ProblemSpec(batch=8, seqlen=900, nheads=64, headdim=64, dstate=dstate, ngroups=1,
@@ -497,13 +499,14 @@ def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate, final_states, dty
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("D, z, final_states", [
-    (None, False, False), ("channel", False, True), (None, True, True), ("head", False, False)])
+@pytest.mark.parametrize("D, z, final_states, dstate", [
+    (None, False, False, 128), ("channel", False, True, 128), (None, True, True, 128),
+    ("head", False, False, 128), ("channel", False, True, 256)])
 def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unsplit_walk(
-        D, z, final_states):
+        D, z, final_states, dstate):
     """48 (row, head) pairs over 257 chunks, bf16: the walk in two segments of 129 and 128
     chunks, the last partial (``ssd.walk_segments``), the first's end state in two parts
-    (``ssd.segment_split``), from initial states, held to the rule against
+    (``ssd.segment_split``), from initial states, at dstate 128 and 256, held to the rule against
     float64; and its out and final states within a few units of the output dtype of the
     unsplit walk's (the same plan, one segment), whose sums it orders otherwise only at the
     segments' seams."""
@@ -511,7 +514,7 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
 
     from kernels.gpu_check import check_problem
     from kernels.ssd import run_stages, stage_pipeline
-    spec = ProblemSpec(batch=1, seqlen=16400, nheads=48, headdim=64, dstate=128, ngroups=1,
+    spec = ProblemSpec(batch=1, seqlen=16400, nheads=48, headdim=64, dstate=dstate, ngroups=1,
                        chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
                        initial_states=True, return_final_states=final_states)
     problem = build_problem(spec, "cuda")

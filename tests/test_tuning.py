@@ -130,8 +130,9 @@ def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, n
 def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     """At the first anchor's 512 (row, head) pairs, chunk 64: kernels/scan_out.py after the
     shared scores, no states stored, its blocks two to an SM; and so from 128 pairs, one to an
-    SM there; its own scores at dstate 64; not at 64 pairs too short to split (the test below),
-    at dstate 256, at chunk 128, or with both z and D where its blocks run one to an SM."""
+    SM there; its own scores at dstate 64; at dstate 256 in bf16 one block an SM, not in fp16
+    (``ssd.WALK_MAX_DSTATE``); not at 64 pairs too short to split (the test below), at chunk
+    128, or with both z and D where its blocks run one to an SM."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
     assert [name for name, _ in plan.named_configs()] == ["chunk_cumsum", "chunk_scores",
@@ -146,8 +147,15 @@ def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     assert ssd.make_plan(replace(fused, z_dtype=bf16)).scan_out.has_z
     both = ssd.make_plan(replace(fused, has_d=True, z_dtype=bf16)).scan_out
     assert (both.has_d, both.has_z, both.occupancy) == (True, True, 2)
-    for change in (dict(batch=1, seqlen=1024), dict(dstate=256), dict(chunk_size=128),
-                   dict(batch=2, has_d=True, z_dtype=bf16)):
+    large_state = ssd.make_plan(replace(fused, dstate=256)).scan_out
+    assert (large_state.n_pad, large_state.occupancy, large_state.shared_scores) == (256, None,
+                                                                                    True)
+    assert ssd.make_plan(replace(fused, dstate=256, states_returned=True)).scan_out is not None
+    fp16 = dict(x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)
+    assert ssd.make_plan(replace(fused, **fp16)).scan_out is not None
+    for change in (dict(batch=1, seqlen=1024), dict(chunk_size=128),
+                   dict(batch=2, has_d=True, z_dtype=bf16), dict(dstate=256, **fp16),
+                   dict(dstate=256, has_d=True, z_dtype=bf16)):
         assert ssd.make_plan(replace(fused, **change)).scan_out is None, change
 
 
@@ -364,13 +372,13 @@ def test_a_fused_record_makes_an_entry_of_the_scan_and_compute_out(tmp_path, mon
 @pytest.mark.parametrize("change", ["long_single_row", "final_states", "seq_idx", "fp32",
                                     "chunk_256"])
 def test_the_two_state_kernels_keep_what_the_scan_does_not_take(change):
-    """Fewer than 64 (row, head) pairs where the walk does not take them (dstate 256), returned
-    states (float32-grade sums) where it does not (64 pairs too short to split), packed
+    """Fewer than 64 (row, head) pairs where the walk does not take them (too short to split),
+    returned states (float32-grade sums) where it does not (64 pairs too short to split), packed
     sequences, float32 x, or an explicit chunk 256: chunk_state and the state passing."""
     key = anchor_key()
     problem_changes = {}
     if change == "long_single_row":
-        key = replace(key, batch=1, seqlen=65536, nheads=32, dstate=256)
+        key = replace(key, batch=1, seqlen=8192, nheads=32)
     elif change == "final_states":
         key = replace(key, batch=1, seqlen=1024)
         problem_changes = dict(return_final_states=True)
