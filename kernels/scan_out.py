@@ -274,11 +274,11 @@ def segment_entering_states(end_states, log2_decay_cumsum, initial_states, segme
     P, N = end_states.shape[2:]
     parts = (segments - 1) * parts_per_segment + 1
     ends = end_states.view(b, parts - 1, H, P, N)
-    chunk_decays = log2_decay_cumsum[:, :, :, :, -1].to(torch.float64).sum(3)      # (b, H, nc)
-    # The parts up to the last segment's first, the sequence zero-padded to cover them.
-    covered = chunk_decays[:, :, :parts * part_chunks]
-    padded = torch.nn.functional.pad(covered, (0, parts * part_chunks - covered.shape[2]))
-    decays = torch.exp2(padded.view(b, H, parts, part_chunks).sum(3)).to(torch.float32)
+    chunk_decays = log2_decay_cumsum[:, :, :, :, -1].sum(3, dtype=torch.float64)   # (b, H, nc)
+    # The parts before the last segment's first, the sequence zero-padded to cover them.
+    covered = chunk_decays[:, :, :(parts - 1) * part_chunks]
+    padded = torch.nn.functional.pad(covered, (0, (parts - 1) * part_chunks - covered.shape[2]))
+    decays = torch.exp2(padded.view(b, H, parts - 1, part_chunks).sum(3)).to(torch.float32)
     entering = torch.empty(b, parts, H, P, N, device=end_states.device, dtype=torch.float32)
     if initial_states is None:
         entering[:, 0].zero_()

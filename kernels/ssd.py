@@ -654,14 +654,15 @@ def walk_takes_few_pairs(key: ProblemKey, mode: str, segments: int) -> bool:
     return mode == "input" and key.batch * key.nheads * segments >= WALK_MIN_SPLIT_ROW_HEADS
 
 
-def walk_occupancy(key: ProblemKey, mode: str, sms: int, segments: int = 1) -> Optional[int]:
-    """``scan_out_occupancy`` of the walk's blocks, ``walk_blocks`` for each of ``segments``,
-    in 'input' up to dstate SCAN_OUT_PAIRED_MAX_DSTATE; else None: in '2xfp16', where on sm_90
-    the hint 2 compiles to the same code as none (168 registers, 203,752 bytes of shared memory
-    at the first anchor: one block an SM), and at dstate 256 (``WALK_MAX_DSTATE``)."""
+def walk_occupancy(key: ProblemKey, mode: str, sms: int, copies: int = 1) -> Optional[int]:
+    """``scan_out_occupancy`` of ``copies`` times the unsplit walk's blocks (``walk_blocks``:
+    one copy a segment, or a part of one), in 'input' up to dstate SCAN_OUT_PAIRED_MAX_DSTATE;
+    else None: in '2xfp16', where on sm_90 the hint 2 compiles to the same code as none (168
+    registers, 203,752 bytes of shared memory at the first anchor: one block an SM), and at
+    dstate 256 (``WALK_MAX_DSTATE``)."""
     if mode != "input" or next_pow2(key.dstate) > SCAN_OUT_PAIRED_MAX_DSTATE:
         return None
-    return scan_out_occupancy(walk_blocks(key) * segments, sms)
+    return scan_out_occupancy(walk_blocks(key) * copies, sms)
 
 
 def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
