@@ -40,7 +40,7 @@ Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures a
 anchor: 1.83 ms against the scan and compute_out's 1.36). Split, each sequence is walked in
 segments of whole steps, a block per (row, segment, head, P block): first the states alone
 (``computes_out`` False: no C, scores, z or out) through every segment but the last, from zero;
-then ``segment_entering_states`` carries those end states across the segments, as the walk
+then kernels/entering_states.py carries those end states across the segments, as the walk
 carries its state across chunks; then the walk runs each segment from its entering state. The
 states-only walk may take each segment in parts (``kernels.ssd.Plan.segment_split``: more
 blocks, shorter walks), whose end states carry the same way. The cost: x and B read once more
@@ -255,36 +255,3 @@ def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutCon
                -(-L // cfg.chunk_size), H, H // B.shape[2], npb, segments, segment_steps,
                *cfg.constants()))
     return (out if cfg.computes_out else None), final_states
-
-
-def segment_entering_states(end_states, log2_decay_cumsum, initial_states, segments: int,
-                            part_chunks: int, parts_per_segment: int = 1) -> torch.Tensor:
-    """(b * segments, H, P, N) fp32: the state entering each segment of ``parts_per_segment``
-    parts of ``part_chunks`` chunks, from end_states (b * (segments - 1) * parts_per_segment,
-    H, P, N) fp32, each part's end state from zero (the parts of the segments but the last),
-    the chunks' log2 decays (b, H, nchunks, 2, Q) fp32 and initial_states (b, H, P, N) or None:
-
-        h_0 = initial,   h_k = 2^(D_{k-1}) h_{k-1} + end_{k-1},   D_k = sum of part k's
-                                                                  chunk decays (log2)
-
-    as the walk carries its state across chunks, one part at a time; a segment enters where its
-    first part does. The decay sums are taken in float64: a part's sum reaches thousands where a
-    chunk's is tens."""
-    b, H = log2_decay_cumsum.shape[:2]
-    P, N = end_states.shape[2:]
-    parts = (segments - 1) * parts_per_segment + 1
-    ends = end_states.view(b, parts - 1, H, P, N)
-    chunk_decays = log2_decay_cumsum[:, :, :, :, -1].sum(3, dtype=torch.float64)   # (b, H, nc)
-    # The parts before the last segment's first, the sequence zero-padded to cover them.
-    covered = chunk_decays[:, :, :(parts - 1) * part_chunks]
-    padded = torch.nn.functional.pad(covered, (0, (parts - 1) * part_chunks - covered.shape[2]))
-    decays = torch.exp2(padded.view(b, H, parts - 1, part_chunks).sum(3)).to(torch.float32)
-    entering = torch.empty(b, parts, H, P, N, device=end_states.device, dtype=torch.float32)
-    if initial_states is None:
-        entering[:, 0].zero_()
-    else:
-        entering[:, 0].copy_(initial_states)
-    for k in range(1, parts):
-        torch.addcmul(ends[:, k - 1], entering[:, k - 1], decays[:, :, k - 1, None, None],
-                      out=entering[:, k])
-    return entering[:, ::parts_per_segment].reshape(b * segments, H, P, N)

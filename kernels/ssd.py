@@ -127,7 +127,6 @@ in 'input' with bf16 states, the tuned states stage at the first anchor takes 0.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -144,7 +143,9 @@ from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
 from kernels.device import require_gpu, sm_count
 from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
                                     fwd_pass_state)
-from kernels.scan_out import ScanOutConfig, scan_out, segment_entering_states
+from kernels.entering_states import (ENTERING_P_BLOCK, EnteringStatesConfig,
+                                     segment_entering_states)
+from kernels.scan_out import ScanOutConfig, scan_out
 from kernels.state_scan import StateScanConfig, state_scan
 from kernels.tile_ops import INT32_LIMIT, PRECISIONS, needs_int64, next_pow2
 from oracles.common import SSDResult
@@ -220,9 +221,9 @@ WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
 # state from zero, a sum over the segments gives the state entering each one
-# (kernels.scan_out.segment_entering_states), and the walk then runs every segment from its
-# entering state, b * H * segments blocks. The most segments (a power of two, at most
-# WALK_MAX_SEGMENTS: the entering states are carried one segment a torch launch) whose blocks
+# (kernels/entering_states.py), and the walk then runs every segment from its entering state,
+# b * H * segments blocks. The most segments (a power of two, at most WALK_MAX_SEGMENTS, the
+# most the H200 A/Bs below timed) whose blocks
 # fit one round on the SMs, one block an SM, each of WALK_SEGMENT_MIN_CHUNKS chunks or more; the
 # walk takes the call where its pairs times its segments reach WALK_MIN_SPLIT_ROW_HEADS
 # (``walk_takes_few_pairs``), and its states-only walk takes each segment in the fewest parts
@@ -372,17 +373,20 @@ class Plan:
     scan_out: Optional[ScanOutConfig] = None
     # With scan_out, the segments it walks each sequence in (``walk_segments``), and, split, the
     # states-only walk that gives the segments' end states before it, in segment_split parts a
-    # segment (more blocks: the walk's segments fill the SMs, its first segments alone do not).
+    # segment (more blocks: the walk's segments fill the SMs, its first segments alone do not),
+    # and the kernel that carries their end states to the segments' entering states.
     segment_states: Optional[ScanOutConfig] = None
     walk_segments: int = 1
     segment_split: int = 1
+    entering_states: Optional[EnteringStatesConfig] = None
 
     def named_configs(self) -> tuple[tuple[str, object], ...]:
         """(kernel name, config) in launch order; the scores kernel only when compute_out shares
         its scores (kernels/chunk_scores.py)."""
         named = [("chunk_cumsum", self.cumsum)]
         if self.segment_states is not None:
-            named.append(("segment_states", self.segment_states))
+            named += [("segment_states", self.segment_states),
+                      ("entering_states", self.entering_states)]
         if self.scan_out is not None:
             if self.scan_out.shared_scores:
                 named.append(("chunk_scores", self.scan_out.scores_config()))
@@ -776,7 +780,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                chunks_per_step=STATE_SCAN_STEP_POSITIONS // Q,
                                precision=states_mode, has_start=key.start_dtype is not None,
                                wide=wide)
-    walk = segment_states = None
+    walk = segment_states = entering = None
     walk_states_mode, occupancy, segments = walk_dispatch(key, mode, states_mode, sms)
     parts = segment_split(key, segments)
     if walk_states_mode is not None:
@@ -798,7 +802,11 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                 walk, start_dtype=f32, has_start=False, has_d=False, has_z=False,
                 shared_scores=False, computes_out=False,
                 occupancy=walk_occupancy(key, mode, sms, (segments - 1) * parts))
-    return Plan(cumsum, chunk_state, passing, out, scan, walk, segment_states, segments, parts)
+            entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
+                                            p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,
+                                            has_start=key.start_dtype is not None, wide=wide)
+    return Plan(cumsum, chunk_state, passing, out, scan, walk, segment_states, segments, parts,
+                entering)
 
 
 def _check_supported(problem: SSDProblem, state_dtype) -> None:
@@ -877,15 +885,15 @@ class StagePipeline:
         if segments == 1:
             return scan_out(p.x, p.B, p.C, dt, log2_cumsum, p.initial_states, self._d(), p.z,
                             plan.scan_out, stream)
-        # Parts of whole steps, ``split`` a segment (scan_out.segment_entering_states).
+        # Parts of whole steps, ``split`` a segment (kernels/entering_states.py).
         steps = -(-p.seqlen // (plan.scan_out.chunk_size * plan.scan_out.chunks_per_step))
         part_steps = -(-steps // (segments * split))
         parts = (segments - 1) * split
         _, ends = scan_out(p.x, p.B, p.C, dt, log2_cumsum, None, None, None,
                            plan.segment_states, stream, parts, part_steps)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            entering = segment_entering_states(ends, log2_cumsum, p.initial_states, segments,
-                                               part_steps * plan.scan_out.chunks_per_step, split)
+        entering = segment_entering_states(ends, log2_cumsum, p.initial_states, segments, split,
+                                           part_steps * plan.scan_out.chunks_per_step,
+                                           plan.entering_states, stream)
         out, finals = scan_out(p.x, p.B, p.C, dt, log2_cumsum, entering, self._d(), p.z,
                                plan.scan_out, stream, segments, split * part_steps)
         return out, finals.view(p.batch, segments, *finals.shape[1:])[:, -1].contiguous()

@@ -135,11 +135,15 @@ COVERING_KEYS = (
      None, None),
     # Fewer pairs in sequences long enough to split (kernels.ssd.walk_segments): the states-only
     # walk of all segments but the last, then the walk from their entering states; with final
-    # states (the third anchor's 64 heads, two segments) and out alone (32 heads, four).
+    # states (the third anchor's 64 heads, two segments) and out alone from bf16 initial states
+    # (32 heads, four segments; kernels/entering_states.py reads them), and past 2^31 elements.
     ("b1-L65536-h64-q64-final-states-walk-segments", replace(_anchor(1, 65536, 64, 1),
                                                              chunk_size=64), None, None),
-    ("b1-L65536-h32-q64-out-only-walk-segments", replace(_anchor(1, 65536, 32, 1), chunk_size=64,
-                                                         states_returned=False), None, None),
+    ("b1-L65536-h32-q64-out-only-walk-segments-start",
+     replace(_anchor(1, 65536, 32, 1, start_dtype=bf16), chunk_size=64, states_returned=False),
+     None, None),
+    ("int64-b1-L524288-h64-q64-out-only-walk-segments",
+     replace(_anchor(1, 524288, 64, 1), chunk_size=64, states_returned=False), None, None),
     # fp16 x in its '2xfp16' default walks too (kernels.ssd.WALK_MODES), one block an SM: out
     # alone (states in '2xfp16') and with final states ('3xfp16').
     *((f"anchor-b8-L4096-h64-q64-fp16-{name}-walk",

@@ -429,7 +429,8 @@ def our_contenders(problem, chunk_size: Optional[int] = None) -> Iterator[Conten
                 or "none: scan_out keeps the states in registers",
                 "compute_out": "; ".join(cfg.describe() for name, cfg in plan.named_configs()
                                          if name in ("chunk_scores", "compute_out",
-                                                     "segment_states", "scan_out"))}
+                                                     "segment_states", "entering_states",
+                                                     "scan_out"))}
     for stage in STAGES:
         # The last stage's output is the forward's: checked against the reference like ours, it
         # shows that the stages timed are the work ssd_forward does.

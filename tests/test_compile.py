@@ -123,7 +123,7 @@ LAUNCH_SPECS = (
 def _grid(name: str, cfg, problem, plan) -> tuple:
     """The launch grid that covers every output tile of kernel ``name`` once (the walk's, of the
     plan's segments of each sequence; the segments' end states, of the parts of all but the
-    last)."""
+    last; their entering states, of each (row, head))."""
     b, L, H, P, N = problem.batch, problem.seqlen, problem.nheads, problem.headdim, problem.dstate
     nchunks = math.ceil(L / problem.chunk_size)
     nseq = 0 if problem.cu_seqlens is None else problem.nseq
@@ -137,6 +137,8 @@ def _grid(name: str, cfg, problem, plan) -> tuple:
         walked = (plan.walk_segments if name == "scan_out"
                   else (plan.walk_segments - 1) * plan.segment_split)
         return (b * walked * H * math.ceil(P / cfg.p_block),)
+    if name == "entering_states":
+        return (b * H * math.ceil(P / cfg.p_block),)
     per_row = H * math.ceil(P / cfg.p_block) * math.ceil(N / cfg.n_block)
     return ((nchunks + nseq) * b * per_row,) if name == "chunk_state" else (b * per_row,)
 

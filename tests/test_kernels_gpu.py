@@ -562,3 +562,56 @@ def test_the_states_only_walk_in_parts_gives_the_split_walk_its_entering_states(
     assert float((parted_out.float() - out.float()).abs().max()) <= 4 * eps * float(
         out.float().abs().max())
     assert float((parted_final - final).norm() / final.norm()) < 1e-5
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("segments, split, seqlen, regime, initial_states", [
+    (4, 1, 200, "mamba2_init", True), (2, 2, 200, "mamba2_init", True),
+    (2, 3, 200, "mamba2_init", False), (2, 1, 1100, "near_unit_decay", True),
+    (3, 2, 1100, "near_unit_decay", True)])
+def test_entering_states_carry_the_reference_walk_across_segments(segments, split, seqlen,
+                                                                  regime, initial_states):
+    """kernels/entering_states.py, from each part's end state walked from zero (the float64
+    reference on the part alone; segments of one, two or three parts) and the chunks' log2
+    decays split hi + lo as kernels/chunk_cumsum.py stores them, gives the reference's state
+    entering each segment's first chunk, within 1e-6 normwise. Parts of 5-7 chunks under
+    Mamba-2 init decays, and of 23 and 69 chunks of near-unit decay, whose decay sums span two
+    of the kernel's 64-chunk loads; most decays between 0.05 and 0.999, so a dropped or doubled
+    chunk would show."""
+    from kernels.contract import validate
+    from kernels.entering_states import ENTERING_P_BLOCK, EnteringStatesConfig, \
+        segment_entering_states
+    from kernels.ssd import MIN_TILE
+    from kernels.tile_ops import next_pow2
+    from oracles.chunked_reference import chunked_ssd
+    Q = 8
+    p = build_problem(ProblemSpec(batch=2, seqlen=seqlen, nheads=3, headdim=8, dstate=8,
+                                  ngroups=1, chunk_size=Q, regime=regime,
+                                  initial_states=initial_states, seed=5), "cuda")
+    reference = chunked_ssd(p, torch.float64, torch.float64)
+    nchunks = -(-seqlen // Q)
+    part_chunks = -(-nchunks // (segments * split))
+    S = reference.stages["log2_decay_cumsum"]            # (b, H, nchunks, Q) float64
+    hi = S.to(torch.float32)
+    cumsum = torch.stack((hi, (S - hi.to(torch.float64)).to(torch.float32)), 3)
+    ends = []
+    for k in range((segments - 1) * split):
+        part = slice(k * part_chunks * Q, (k + 1) * part_chunks * Q)
+        alone = validate(p.x[:, part], p.dt[:, part], p.A, p.B[:, part], p.C[:, part], Q,
+                         return_final_states=True)
+        ends.append(chunked_ssd(alone, torch.float64, torch.float64).final_states)
+    ends = torch.stack(ends, 1).flatten(0, 1).to(torch.float32)
+    pad = max(MIN_TILE, next_pow2(8))
+    cfg = EnteringStatesConfig(chunk_size=Q, p_block=min(pad, ENTERING_P_BLOCK), n_pad=pad,
+                               has_start=initial_states)
+    got = segment_entering_states(ends, cumsum, p.initial_states, segments, split, part_chunks,
+                                  cfg)
+    want = reference.stages["chunk_states"][:, ::part_chunks * split]
+    assert want.shape[1] == segments
+    got = got.view(want.shape).to(torch.float64)
+    chunk_decays = S[..., -1].flatten(0, 1)
+    decays = torch.exp2(torch.stack([chunk_decays[:, k * part_chunks:(k + 1) * part_chunks].sum(1)
+                                     for k in range((segments - 1) * split)]))
+    assert float(((decays > 0.05) & (decays < 0.999)).double().mean()) >= 0.5
+    assert float((got - want).norm() / want.norm()) < 1e-6

@@ -173,21 +173,25 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     plan = ssd.make_plan(key)
     assert plan.walk_segments == ssd.walk_segments(key, ssd.REFERENCE_SM_COUNT) == 2
     assert plan.segment_split == ssd.segment_split(key, 2) == 2
-    assert [name for name, _ in plan.named_configs()] == ["chunk_cumsum", "segment_states",
-                                                           "chunk_scores", "scan_out"]
+    assert [name for name, _ in plan.named_configs()] == [
+        "chunk_cumsum", "segment_states", "entering_states", "chunk_scores", "scan_out"]
     ends, walk = plan.segment_states, plan.scan_out
     assert (ends.computes_out, ends.segmented, ends.has_start, ends.shared_scores,
             ends.occupancy) == (False, True, False, False, None)
     assert (walk.computes_out, walk.segmented, walk.has_start, walk.start_dtype,
             walk.occupancy, walk.state_precision) == (True, True, True, torch.float32, None,
                                                       "3xbf16")
-    assert ssd.make_plan(replace(key, start_dtype=bf16)).scan_out.start_dtype == torch.float32
+    assert (plan.entering_states.has_start, plan.entering_states.p_block) == (False, 32)
+    from_bf16 = ssd.make_plan(replace(key, start_dtype=bf16))
+    assert from_bf16.scan_out.start_dtype == torch.float32
+    assert (from_bf16.entering_states.has_start,
+            from_bf16.entering_states.start_dtype) == (True, bf16)
     out_alone = replace(key, states_returned=False)
     assert ssd.default_chunk_size(_meta_problem(replace(out_alone, chunk_size=256))) == 64
     split_out_alone = ssd.make_plan(out_alone)                          # not the fused scan
     assert (split_out_alone.walk_segments, split_out_alone.segment_split) == (2, 2)
     assert [name for name, _ in split_out_alone.named_configs()] == [
-        "chunk_cumsum", "segment_states", "chunk_scores", "scan_out"]
+        "chunk_cumsum", "segment_states", "entering_states", "chunk_scores", "scan_out"]
     quarter = ssd.make_plan(replace(out_alone, nheads=32))
     assert (quarter.walk_segments, quarter.segment_split) == (4, 1)     # 96 pairs of parts
     assert ssd.segment_split(replace(key, nheads=48), 2) == 2
@@ -212,44 +216,6 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     assert ssd.make_plan(fp16).scan_out is None
     assert ssd.default_chunk_size(_meta_problem(replace(fp16, chunk_size=256),
                                                 return_final_states=True)) == 256
-
-
-@pytest.mark.parametrize("segments, parts_per_segment", [(4, 1), (2, 2), (2, 3)])
-def test_segment_entering_states_carry_the_reference_walk_across_segments(segments,
-                                                                         parts_per_segment):
-    """kernels.scan_out.segment_entering_states, from each part's end state walked from zero
-    (the reference on the part alone; a segment of one, two or three parts) and the chunks'
-    log2 decays split hi + lo as the kernels store them, gives the reference's state entering
-    each segment's first chunk; most decays between 0.05 and 0.95 (mamba2_init at 5- to 7-chunk
-    parts), so a dropped decay would show."""
-    from kernels.contract import validate
-    from kernels.scan_out import segment_entering_states
-    from oracles.chunked_reference import chunked_ssd
-    from properties.problems import ProblemSpec, build_problem
-    Q = 8
-    p = build_problem(ProblemSpec(batch=2, seqlen=200, nheads=3, headdim=8, dstate=8, ngroups=1,
-                                  chunk_size=Q, initial_states=True, seed=5))
-    reference = chunked_ssd(p, torch.float64, torch.float64)
-    # 25 chunks: parts of 7 (7, 7, 7, 4 in four segments), 7 (two segments of 14 and 11), 5
-    part_chunks = -(-p.seqlen // Q // (segments * parts_per_segment))
-    S = reference.stages["log2_decay_cumsum"]            # (b, H, nchunks, Q) float64
-    hi = S.to(torch.float32)
-    cumsum = torch.stack((hi, (S - hi.to(torch.float64)).to(torch.float32)), 3)
-    ends = []
-    for k in range((segments - 1) * parts_per_segment):
-        part = slice(k * part_chunks * Q, (k + 1) * part_chunks * Q)
-        alone = validate(p.x[:, part], p.dt[:, part], p.A, p.B[:, part], p.C[:, part], Q,
-                         return_final_states=True)
-        ends.append(chunked_ssd(alone, torch.float64, torch.float64).final_states)
-    ends = torch.stack(ends, 1).flatten(0, 1).to(torch.float32)
-    got = segment_entering_states(ends, cumsum, p.initial_states, segments, part_chunks,
-                                  parts_per_segment)
-    want = reference.stages["chunk_states"][:, ::part_chunks * parts_per_segment]
-    assert want.shape[1] == segments
-    got = got.view(want.shape).to(torch.float64)
-    decays = torch.exp2(S[..., -1].view(2, 3, -1)[:, :, :part_chunks].sum(2))
-    assert float(((decays > 0.05) & (decays < 0.95)).double().mean()) >= 0.5
-    assert float((got - want).norm() / want.norm()) < 1e-6
 
 
 def test_calls_returning_final_states_walk_with_float32_grade_increments():
