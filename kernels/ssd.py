@@ -188,10 +188,12 @@ STATE_SCAN_MIN_BLOCKS = 128
 # (experiments/ab_scan_out_1a72178.txt, ab_scan_out_shapes_1a72178.txt).
 SCAN_OUT_MIN_ROW_HEADS = 128
 SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
-# dstate 256 walks in 'input' (bf16) only, one block an SM (branch exp/walk-dstate256, not yet
-# measured on the H200). On sm_90 its block takes 168 registers, no spill, and 159,264 bytes of
-# shared memory out alone (151,048 with final states, '3xbf16'), whatever the occupancy hint,
-# so two never share an SM; tileiras 13.4 fails to compile the hint 2 for sm_100 (none: 168
+# dstate 256 walks in 'input' (bf16) only, one block an SM. On the H200 against the fused scan
+# and compute_out out alone 0.465-0.909x at ten shapes (0.621x at 8 x 4096 x 64 heads, 0.85x at
+# one row of 65,536 tokens split in two segments), with final states 0.528-0.581x chunk 256
+# (experiments/ab_walk_dstate256_1b268f7.txt). On sm_90 its block takes 168 registers, no
+# spill, and 159,264 bytes of shared memory out alone (151,048 with final states, '3xbf16'),
+# whatever the occupancy hint, so two never share an SM; tileiras 13.4 fails to compile the hint 2 for sm_100 (none: 168
 # registers, 8-32 bytes spilled) and spills on sm_80 (264 / 984 bytes). fp16's '2xfp16' walk
 # at dstate 256 spills 472 bytes on sm_90 and fills its shared memory (227,304 bytes): not run.
 WALK_MAX_DSTATE = {"input": 256, "2xfp16": 128}
