@@ -178,9 +178,9 @@ STATE_SCAN_TILES = (64, 128)
 STATE_SCAN_MIN_BLOCKS = 128
 # The scan and compute_out as one walk (kernels/scan_out.py, ``walk_state_precision``): no chunk
 # state stored, but one block per (row, head, P block) walks every chunk in order, with the whole
-# state (dstate up to WALK_MAX_DSTATE of its mode) in registers. Measured on the H200 against the fused
-# scan then compute_out, both at chunk 64, one block per SM: 0.84-0.89x from 128 to 1024 (row,
-# head) pairs at H64 (first anchor 0.568 -> 0.500 ms), a tie at the second anchor's 128 pairs
+# state (dstate up to WALK_MAX_DSTATE of its mode) in registers. Measured on the H200 against
+# the fused scan then compute_out, both at chunk 64, one block per SM: 0.84-0.89x from 128 to
+# 1024 (row, head) pairs at H64 (first anchor 0.568 -> 0.500 ms), a tie at the second anchor's 128 pairs
 # (H32, G8: own scores), 1.35x slower at the third's 64 pairs (64 blocks for 132 SMs). Its
 # scores are its own at dstate 64, where it was 0.366 ms against 0.422 reading the shared ones
 # (default 0.503). Two chunks a step with 8 worker warps (0.523 ms at the first anchor),
@@ -193,9 +193,10 @@ SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
 # one row of 65,536 tokens split in two segments), with final states 0.528-0.581x chunk 256
 # (experiments/ab_walk_dstate256_1b268f7.txt). On sm_90 its block takes 168 registers, no
 # spill, and 159,264 bytes of shared memory out alone (151,048 with final states, '3xbf16'),
-# whatever the occupancy hint, so two never share an SM; tileiras 13.4 fails to compile the hint 2 for sm_100 (none: 168
-# registers, 8-32 bytes spilled) and spills on sm_80 (264 / 984 bytes). fp16's '2xfp16' walk
-# at dstate 256 spills 472 bytes on sm_90 and fills its shared memory (227,304 bytes): not run.
+# whatever the occupancy hint, so two never share an SM; tileiras 13.4 fails to compile the
+# hint 2 for sm_100 (none: 168 registers, 8-32 bytes spilled) and spills on sm_80 (264 / 984
+# bytes). fp16's '2xfp16' walk at dstate 256 spills 472 bytes on sm_90 and fills its shared
+# memory (227,304 bytes): not run.
 WALK_MAX_DSTATE = {"input": 256, "2xfp16": 128}
 SCAN_OUT_PAIRED_MAX_DSTATE = 128
 # Alone, a walk block takes 220,728 bytes of shared memory on sm_90 (the first anchor), so one
@@ -225,8 +226,8 @@ WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
 # state from zero, a sum over the segments gives the state entering each one
 # (kernels/entering_states.py), and the walk then runs every segment from its entering state,
 # b * H * segments blocks. The most segments (a power of two, at most WALK_MAX_SEGMENTS, the
-# most the H200 A/Bs below timed) whose blocks
-# fit one round on the SMs, one block an SM, each of WALK_SEGMENT_MIN_CHUNKS chunks or more; the
+# most the H200 A/Bs below timed) whose blocks fit one round on the SMs, one block an SM, each
+# of WALK_SEGMENT_MIN_CHUNKS chunks or more; the
 # walk takes the call where its pairs times its segments reach WALK_MIN_SPLIT_ROW_HEADS
 # (``walk_takes_few_pairs``), and its states-only walk takes each segment in the fewest parts
 # (a power of two) that give it as many blocks (``segment_split``). Measured on the H200 against
