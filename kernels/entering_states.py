@@ -87,7 +87,7 @@ class EnteringStatesConfig(KernelVariant):
 
     start_dtype: torch.dtype = torch.float32
     chunk_size: int = 64
-    p_block: int = 64
+    p_block: int = ENTERING_P_BLOCK
     n_pad: int = 128
     has_start: bool = False
     wide: bool = False

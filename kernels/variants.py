@@ -98,7 +98,8 @@ COVERING_KEYS = (
     # walk of kernels/scan_out.py (kernels.ssd.walk_state_precision; shared scores, or its own
     # for 32 heads in 8 groups and at dstate 64), else the fused state scan two chunks a step
     # (kernels.ssd.fuses_state_scan): 64 x 64 tiles for one row of 64 heads
-    # (kernels.ssd.state_scan_tiles), 64 x 128 at dstate 256 there. The walk's blocks run two to an SM at the first anchor's 512 (on the reference 132 SMs:
+    # (kernels.ssd.state_scan_tiles), 64 x 128 at dstate 256 there. The walk's blocks run two to
+    # an SM at the first anchor's 512 (on the reference 132 SMs:
     # kernels.ssd.scan_out_occupancy), and so also with both z and D; one to an SM for 32 heads
     # in 8 groups, and for 2 rows x 64 heads, which with both z and D keep the scan and
     # compute_out. At an explicit chunk 128, the state scan one chunk a step at the chunk-128
