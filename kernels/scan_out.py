@@ -29,9 +29,9 @@ SCAN_OUT_MIN_ROW_HEADS, has the figures and what the dispatcher picks).
 ``state_precision``: the mode of the state update's MMA apart from the output's, so that a
 call returning final states walks too, its increments float32-grade in '3xbf16' as
 ``kernels.ssd.state_precision`` asks of them, its out in 'input' (``walk_state_precision``). On
-sm_90 at the first anchor: paired 128 registers with a 96-byte spill frame (10 tensor-core MMAs
-against 6), alone 168 registers, no spill, 185,872 bytes of shared memory. fp16 x walks in
-'2xfp16' (``kernels.ssd.WALK_MODES``): 168 registers, no spill, 203,752 bytes (one block an SM,
+sm_90 at the first anchor: paired 128 registers with a 72-byte spill frame (10 tensor-core MMAs
+against 6), alone 168 registers, no spill, 177,632 bytes of shared memory. fp16 x walks in
+'2xfp16' (``kernels.ssd.WALK_MODES``): 168 registers, no spill, 195,528 bytes (one block an SM,
 whatever the hint), 12 MMAs. On the H200 both beat the chunk-256 path those calls took before
 (0.41-0.77x; kernels/ssd.py, at WALK_MODES, has the figures).
 
@@ -115,8 +115,15 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         if OUT:
             x_all = ct.load(x, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
                             padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
-        x_cols_all = load_transposed(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, True,
-                                     0)
+        # The state update's x columns: the out's x tile transposed where the walk computes out
+        # unsplit up to dstate 128 (8 KB less shared memory a block; on the H200 0.91-0.97x the
+        # time of a second, transposed load at seven shapes, out bit-equal), else a load of
+        # their own: the transpose took the segmented walks 1.02x, dstate 256 out alone 1.00x,
+        # and spills 680 bytes at dstate 256 with final states on sm_90, where the load spills
+        # none (experiments/ab_walk_x_once_6c67a8c.txt).
+        if not OUT or SEGMENTED or N_PAD > 128:
+            x_cols_all = load_transposed(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK,
+                                         True, 0)
         dt_all = ct.load(dt, (batch, head, step, 0), shape=(1, 1, STEP, CHUNK),
                          padding_mode=ZERO).reshape((STEP, CHUNK))
         cumsum_all = ct.load(log2_decay_cumsum, (batch, head, step, 0, 0),
@@ -134,7 +141,10 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
             B_c = ct.extract(B_all, (k, 0), shape=(CHUNK, N_PAD))
             if OUT:
                 x_c = ct.extract(x_all, (k, 0), shape=(CHUNK, P_BLOCK))
-            x_cols = ct.extract(x_cols_all, (0, k), shape=(P_BLOCK, CHUNK))
+            if not OUT or SEGMENTED or N_PAD > 128:
+                x_cols = ct.extract(x_cols_all, (0, k), shape=(P_BLOCK, CHUNK))
+            else:
+                x_cols = x_c.transpose()
             dt_c = ct.extract(dt_all, (k, 0), shape=(1, CHUNK)).reshape((CHUNK,))
             hi, lo = step_log2_cumsum(cumsum_all, k, CHUNK)
             if OUT:

@@ -199,8 +199,8 @@ SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
 # memory (227,304 bytes): not run.
 WALK_MAX_DSTATE = {"input": 256, "2xfp16": 128}
 SCAN_OUT_PAIRED_MAX_DSTATE = 128
-# Alone, a walk block takes 220,728 bytes of shared memory on sm_90 (the first anchor), so one
-# runs per SM; compiled with occupancy=2 it takes 101,800 bytes and 128 registers, no spill, and
+# Alone, a walk block takes 212,520 bytes of shared memory on sm_90 (the first anchor), so one
+# runs per SM; compiled with occupancy=2 it takes 93,600 bytes and 128 registers, no spill, and
 # two share an SM, which then finishes both in SCAN_OUT_PAIRED_COST times one block's time
 # alone (2 x 0.419 / 0.498 at the first anchor). So it measured on the H200 (132 SMs): at the
 # first anchor's 512 blocks 0.419 ms paired against 0.498 alone (2 rounds against 4; 0.74x the
@@ -665,7 +665,7 @@ def walk_occupancy(key: ProblemKey, mode: str, sms: int, copies: int = 1) -> Opt
     """``scan_out_occupancy`` of ``copies`` times the unsplit walk's blocks (``walk_blocks``:
     one copy a segment, or a part of one), in 'input' up to dstate SCAN_OUT_PAIRED_MAX_DSTATE;
     else None: in '2xfp16', where on sm_90 the hint 2 compiles to the same code as none (168
-    registers, 203,752 bytes of shared memory at the first anchor: one block an SM), and at
+    registers, 195,528 bytes of shared memory at the first anchor: one block an SM), and at
     dstate 256 (``WALK_MAX_DSTATE``)."""
     if mode != "input" or next_pow2(key.dstate) > SCAN_OUT_PAIRED_MAX_DSTATE:
         return None

@@ -422,8 +422,8 @@ _INFO_SIZED, _REGCOUNT, _FRAME_SIZE = 0x04, 0x2F, 0x11
 def kernel_resources(cubin: bytes) -> tuple[int, int, int]:
     """(registers, spill bytes) of a thread of the cubin's kernel, from its .nv.info attributes,
     and a block's shared memory (the .nv.shared sections). Shared memory, not registers, keeps
-    kernels/scan_out.py's walk to one block per SM on sm_90 without the occupancy hint (220,728
-    bytes at the first anchor; 101,800 with occupancy=2, which kernels/ssd.py sets where two
+    kernels/scan_out.py's walk to one block per SM on sm_90 without the occupancy hint (212,520
+    bytes at the first anchor; 93,600 with occupancy=2, which kernels/ssd.py sets where two
     blocks an SM pay).
     compute_out at the first anchor's tiles (occupancy 3: 80 registers) keeps a frame of 8 bytes
     a thread on sm_90, 16 with D per head, and on the H200 ncu counted four times the
