@@ -117,7 +117,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                             padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
         # The state update's x columns: the out's x tile transposed where the walk computes out
         # unsplit up to dstate 128 (8 KB less shared memory a block; on the H200 0.91-0.97x the
-        # time of a second, transposed load at seven shapes, out bit-equal), else a load of
+        # time of a second, transposed load at six shapes, out bit-equal), else a load of
         # their own: the transpose took the segmented walks 1.02x, dstate 256 out alone 1.00x,
         # and spills 680 bytes at dstate 256 with final states on sm_90, where the load spills
         # none (experiments/ab_walk_x_once_6c67a8c.txt).
