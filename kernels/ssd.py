@@ -195,9 +195,15 @@ SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
 # spill, and 159,264 bytes of shared memory out alone (151,048 with final states, '3xbf16'),
 # whatever the occupancy hint, so two never share an SM; tileiras 13.4 fails to compile the
 # hint 2 for sm_100 (none: 168 registers, 8-32 bytes spilled) and spills on sm_80 (264 / 984
-# bytes). fp16's '2xfp16' walk at dstate 256 spills 472 bytes on sm_90 and fills its shared
-# memory (227,304 bytes): not run.
-WALK_MAX_DSTATE = {"input": 256, "2xfp16": 128}
+# bytes). fp16's '2xfp16' walk at dstate 256 spills 472 bytes on sm_90 with the compiler's 4
+# worker warps (227,304 bytes of shared memory); with 8 (WALK_WORKER_WARPS) 168 registers, no
+# spill, 216,168 bytes out alone, 224,360 with final states ('3xfp16'). On the H200 it took
+# 0.491-0.511x the time of chunk 256, which those calls ran before, at three shapes, out alone
+# and with final states (experiments/ab_fp16_walk_n256_db095c0.txt); 8 worker warps at dstate
+# 128 lost (1.34-1.35x the compiler's 4), so only dstate 256 takes them.
+WALK_MAX_DSTATE = {"input": 256, "2xfp16": 256}
+# The worker-warps hint of the walk by mode and dstate above 128 (None: the compiler's).
+WALK_WORKER_WARPS = {"input": None, "2xfp16": 8}
 SCAN_OUT_PAIRED_MAX_DSTATE = 128
 # Alone, a walk block takes 212,520 bytes of shared memory on sm_90 (the first anchor), so one
 # runs per SM; compiled with occupancy=2 it takes 93,600 bytes and 128 registers, no spill, and
@@ -798,7 +804,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              has_z=key.z_dtype is not None,
                              shared_scores=(shares_scores(key)
                                             and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE),
-                             wide=wide, occupancy=occupancy, segmented=split)
+                             wide=wide, occupancy=occupancy, segmented=split,
+                             worker_warps=(WALK_WORKER_WARPS[mode] if n_pad > 128 else None))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(

@@ -146,10 +146,12 @@ COVERING_KEYS = (
     ("int64-b1-L524288-h64-q64-out-only-walk-segments",
      replace(_anchor(1, 524288, 64, 1), chunk_size=64, states_returned=False), None, None),
     # fp16 x in its '2xfp16' default walks too (kernels.ssd.WALK_MODES), one block an SM: out
-    # alone (states in '2xfp16') and with final states ('3xfp16').
-    *((f"anchor-b8-L4096-h64-q64-fp16-{name}-walk",
+    # alone (states in '2xfp16') and with final states ('3xfp16'), at dstate 256 with 8 worker
+    # warps (kernels.ssd.WALK_WORKER_WARPS).
+    *((f"anchor-b8-L4096-h64-q64-fp16{n}-{name}-walk",
        replace(_anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16, c_dtype=f16), chunk_size=64,
-               states_returned=returned), None, None)
+               dstate=dstate, states_returned=returned), None, None)
+      for n, dstate in (("", 128), ("-n256", 256))
       for name, returned in (("out-only", False), ("final-states", True))),
     ("int64-b1-L139264-h256-q64-out-only-fused",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),

@@ -130,8 +130,8 @@ def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, n
 def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     """At the first anchor's 512 (row, head) pairs, chunk 64: kernels/scan_out.py after the
     shared scores, no states stored, its blocks two to an SM; and so from 128 pairs, one to an
-    SM there; its own scores at dstate 64; at dstate 256 in bf16 one block an SM, not in fp16
-    (``ssd.WALK_MAX_DSTATE``); not at 64 pairs too short to split (the test below), at chunk
+    SM there; its own scores at dstate 64; at dstate 256 one block an SM (``ssd.WALK_MAX_DSTATE``),
+    in fp16 with 8 worker warps (``ssd.WALK_WORKER_WARPS``); not at 64 pairs too short to split (the test below), at chunk
     128, or with both z and D where its blocks run one to an SM."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
@@ -148,13 +148,18 @@ def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     both = ssd.make_plan(replace(fused, has_d=True, z_dtype=bf16)).scan_out
     assert (both.has_d, both.has_z, both.occupancy) == (True, True, 2)
     large_state = ssd.make_plan(replace(fused, dstate=256)).scan_out
-    assert (large_state.n_pad, large_state.occupancy, large_state.shared_scores) == (256, None,
-                                                                                    True)
+    assert (large_state.n_pad, large_state.occupancy, large_state.shared_scores,
+            large_state.worker_warps) == (256, None, True, None)
     assert ssd.make_plan(replace(fused, dstate=256, states_returned=True)).scan_out is not None
     fp16 = dict(x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)
-    assert ssd.make_plan(replace(fused, **fp16)).scan_out is not None
+    assert ssd.make_plan(replace(fused, **fp16)).scan_out.worker_warps is None
+    for final in (False, True):
+        fp16_large = ssd.make_plan(replace(fused, dstate=256, states_returned=final,
+                                           **fp16)).scan_out
+        assert (fp16_large.precision, fp16_large.n_pad, fp16_large.occupancy,
+                fp16_large.worker_warps) == ("2xfp16", 256, None, 8)
     for change in (dict(batch=1, seqlen=1024), dict(chunk_size=128),
-                   dict(batch=2, has_d=True, z_dtype=bf16), dict(dstate=256, **fp16),
+                   dict(batch=2, has_d=True, z_dtype=bf16),
                    dict(dstate=256, has_d=True, z_dtype=bf16)):
         assert ssd.make_plan(replace(fused, **change)).scan_out is None, change
 
