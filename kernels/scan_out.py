@@ -101,6 +101,13 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         d = ct.load(D, (head, p_block), shape=(1, P_BLOCK), padding_mode=ZERO)
     position = ct.arange(CHUNK, dtype=ct.int32)
     sees = position[None, :] <= position[:, None]
+    # The state update's x columns: the out's x tile transposed where the walk computes out
+    # unsplit up to dstate 128 (8 KB less shared memory a block; on the H200 0.91-0.97x the time
+    # of a second, transposed load at six shapes, out bit-equal), else a load of their own: the
+    # transpose took the segmented walks 1.02x, dstate 256 out alone 1.00x, and spills 680 bytes
+    # at dstate 256 with final states on sm_90, where the load spills none
+    # (experiments/ab_walk_x_once_6c67a8c.txt).
+    X_COLS_LOADED = not OUT or SEGMENTED or N_PAD > 128
     # STEP chunks a step, as kernels/state_scan.py walks: each operand of STEP chunks in one load
     # (their latency paid once), then the chunks in order. Chunks past the last are zero-padded
     # (dt 0 and a flat cumsum leave h as it is) and store nothing. Without OUT only the state
@@ -115,13 +122,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         if OUT:
             x_all = ct.load(x, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
                             padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
-        # The state update's x columns: the out's x tile transposed where the walk computes out
-        # unsplit up to dstate 128 (8 KB less shared memory a block; on the H200 0.91-0.97x the
-        # time of a second, transposed load at six shapes, out bit-equal), else a load of
-        # their own: the transpose took the segmented walks 1.02x, dstate 256 out alone 1.00x,
-        # and spills 680 bytes at dstate 256 with final states on sm_90, where the load spills
-        # none (experiments/ab_walk_x_once_6c67a8c.txt).
-        if not OUT or SEGMENTED or N_PAD > 128:
+        if X_COLS_LOADED:
             x_cols_all = load_transposed(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK,
                                          True, 0)
         dt_all = ct.load(dt, (batch, head, step, 0), shape=(1, 1, STEP, CHUNK),
@@ -141,7 +142,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
             B_c = ct.extract(B_all, (k, 0), shape=(CHUNK, N_PAD))
             if OUT:
                 x_c = ct.extract(x_all, (k, 0), shape=(CHUNK, P_BLOCK))
-            if not OUT or SEGMENTED or N_PAD > 128:
+            if X_COLS_LOADED:
                 x_cols = ct.extract(x_cols_all, (0, k), shape=(P_BLOCK, CHUNK))
             else:
                 x_cols = x_c.transpose()
