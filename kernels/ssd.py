@@ -223,9 +223,11 @@ SCAN_OUT_PAIRED_COST = 1.68
 # chunk 256 and the two state kernels, which such calls took before: fp16 x (its '2xfp16'
 # default) 0.41-0.77x (first anchor 1.49 -> 1.09 ms out alone), bf16 x returning final states
 # (their update in '3xbf16') 0.55-0.77x (first anchor 0.93 -> 0.56 ms), the final states
-# 4-5e-8 apart (experiments/ab_walk_modes_ebba46f.txt). Not float32 x ('3xbf16'): its walk
-# spills 120 bytes on sm_90 (255 registers, 36 MMAs a chunk) and tileiras 13.4 fails to compile
-# it for sm_80 ("defOp must be scheduled BEFORE useOp").
+# 4-5e-8 apart (experiments/ab_walk_modes_ebba46f.txt). Not float32 x ('3xbf16'), untimed: at
+# the first anchor its walk (36 MMAs a chunk) spills 1,192 bytes on sm_90 with the compiler's 4
+# worker warps (120 before 9a0cced; tileiras 13.4 then failed to compile it for sm_80, "defOp
+# must be scheduled BEFORE useOp"); with 8, 242 registers and no spill on sm_90, 238 and none
+# on sm_100, 368 bytes spilled on sm_80 (CPU compiles at 91b3710).
 WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
