@@ -201,9 +201,10 @@ SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
 # 0.491-0.511x the time of chunk 256, which those calls ran before, at three shapes, out alone
 # and with final states (experiments/ab_fp16_walk_n256_db095c0.txt); 8 worker warps at dstate
 # 128 lost (1.34-1.35x the compiler's 4), so only dstate 256 takes them.
-WALK_MAX_DSTATE = {"input": 256, "2xfp16": 256}
-# The worker-warps hint of the walk by mode and dstate above 128 (None: the compiler's).
-WALK_WORKER_WARPS = {"input": None, "2xfp16": 8}
+WALK_MAX_DSTATE = {"input": 256, "2xfp16": 256, "3xbf16": 128}
+# (worker warps, the least padded dstate that takes them) of the walk by mode; elsewhere the
+# compiler's 4 (``walk_worker_warps``).
+WALK_WORKER_WARPS = {"2xfp16": (8, 256), "3xbf16": (8, 0)}
 SCAN_OUT_PAIRED_MAX_DSTATE = 128
 # Alone, a walk block takes 212,520 bytes of shared memory on sm_90 (the first anchor), so one
 # runs per SM; compiled with occupancy=2 it takes 93,600 bytes and 128 registers, no spill, and
@@ -228,7 +229,7 @@ SCAN_OUT_PAIRED_COST = 1.68
 # worker warps (120 before 9a0cced; tileiras 13.4 then failed to compile it for sm_80, "defOp
 # must be scheduled BEFORE useOp"); with 8, 242 registers and no spill on sm_90, 238 and none
 # on sm_100, 368 bytes spilled on sm_80 (CPU compiles at 91b3710).
-WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16"}
+WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16", torch.float32: "3xbf16"}
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
 # state from zero, a sum over the segments gives the state entering each one
@@ -680,6 +681,13 @@ def walk_occupancy(key: ProblemKey, mode: str, sms: int, copies: int = 1) -> Opt
     return scan_out_occupancy(walk_blocks(key) * copies, sms)
 
 
+def walk_worker_warps(mode: str, n_pad: int) -> Optional[int]:
+    """The walk's worker-warps hint in ``mode`` at padded dstate ``n_pad`` (WALK_WORKER_WARPS),
+    else None: the compiler's."""
+    warps, least_n_pad = WALK_WORKER_WARPS.get(mode, (None, 0))
+    return warps if n_pad >= least_n_pad else None
+
+
 def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
                          occupancy: Optional[int], segments: int = 1) -> Optional[str]:
     """The mode of the walk's state update where stages 2 and 3 run as kernels/scan_out.py,
@@ -807,7 +815,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              shared_scores=(shares_scores(key)
                                             and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE),
                              wide=wide, occupancy=occupancy, segmented=split,
-                             worker_warps=(WALK_WORKER_WARPS[mode] if n_pad > 128 else None))
+                             worker_warps=walk_worker_warps(mode, n_pad))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
