@@ -201,10 +201,10 @@ SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
 # 0.491-0.511x the time of chunk 256, which those calls ran before, at three shapes, out alone
 # and with final states (experiments/ab_fp16_walk_n256_db095c0.txt); 8 worker warps at dstate
 # 128 lost (1.34-1.35x the compiler's 4), so only dstate 256 takes them.
-WALK_MAX_DSTATE = {"input": 256, "2xfp16": 256, "3xbf16": 128}
+WALK_MAX_DSTATE = {"input": 256, "2xfp16": 256, "3xbf16": 64}
 # (worker warps, the least padded dstate that takes them) of the walk by mode; elsewhere the
 # compiler's 4 (``walk_worker_warps``).
-WALK_WORKER_WARPS = {"2xfp16": (8, 256), "3xbf16": (8, 0)}
+WALK_WORKER_WARPS = {"2xfp16": (8, 256), "3xbf16": (8, 64)}
 SCAN_OUT_PAIRED_MAX_DSTATE = 128
 # Alone, a walk block takes 212,520 bytes of shared memory on sm_90 (the first anchor), so one
 # runs per SM; compiled with occupancy=2 it takes 93,600 bytes and 128 registers, no spill, and
