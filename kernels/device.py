@@ -46,16 +46,30 @@ def tileiras_env() -> dict[str, str]:
 
 
 @functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _cuda_properties(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, 10 * props.major + props.minor
+
+
+def _properties(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    return _cuda_properties(device.index if device.index is not None
+                            else torch.cuda.current_device())
 
 
 def sm_count(device: torch.device) -> int | None:
     """The SMs of a CUDA device; None for any other (the host code also runs on meta and CPU
     tensors, in CI)."""
-    if device.type != "cuda":
-        return None
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    props = _properties(device)
+    return props and props[0]
+
+
+def compute_capability(device: torch.device) -> int | None:
+    """A CUDA device's compute capability as 10 * major + minor (90 on an H200); None for any
+    other device."""
+    props = _properties(device)
+    return props and props[1]
 
 
 def require_gpu(x: torch.Tensor) -> None:

@@ -140,7 +140,7 @@ from kernels.chunk_cumsum import ChunkCumsumConfig, chunk_cumsum, head_block_for
 from kernels.chunk_scores import ChunkScoresConfig
 from kernels.compute_out import ComputeOutConfig, OutInputs, compute_out
 from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
-from kernels.device import require_gpu, sm_count
+from kernels.device import compute_capability, require_gpu, sm_count
 from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
                                     fwd_pass_state)
 from kernels.entering_states import (ENTERING_P_BLOCK, EnteringStatesConfig,
@@ -200,10 +200,16 @@ SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
 # spill, 216,168 bytes out alone, 224,360 with final states ('3xfp16'). On the H200 it took
 # 0.491-0.511x the time of chunk 256, which those calls ran before, at three shapes, out alone
 # and with final states (experiments/ab_fp16_walk_n256_db095c0.txt); 8 worker warps at dstate
-# 128 lost (1.34-1.35x the compiler's 4), so only dstate 256 takes them.
+# 128 lost (1.34-1.35x the compiler's 4), so only dstate 256 takes them. float32 x walks up to
+# dstate 64 ('3xbf16', WALK_MODES has the figures).
 WALK_MAX_DSTATE = {"input": 256, "2xfp16": 256, "3xbf16": 64}
+# tileiras 13.4 fails to compile float32's walk at dstate 64 for sm_100 ("failed to compile Tile
+# IR program" within seconds, with 4 or 8 worker warps, its own or the shared scores, 64- or
+# 32-channel blocks; dstate 32 and 128 compile there, as do the bf16 and fp16 walks at 64), so
+# from compute capability 10.0 on a mode walks up to these (``walk_max_dstate``).
+WALK_MAX_DSTATE_FROM_SM100 = {"3xbf16": 32}
 # (worker warps, the least padded dstate that takes them) of the walk by mode; elsewhere the
-# compiler's 4 (``walk_worker_warps``).
+# compiler's 4 (``walk_worker_warps``). bf16's walk at dstate 64 took 1.25x its time with 8.
 WALK_WORKER_WARPS = {"2xfp16": (8, 256), "3xbf16": (8, 64)}
 SCAN_OUT_PAIRED_MAX_DSTATE = 128
 # Alone, a walk block takes 212,520 bytes of shared memory on sm_90 (the first anchor), so one
@@ -224,11 +230,15 @@ SCAN_OUT_PAIRED_COST = 1.68
 # chunk 256 and the two state kernels, which such calls took before: fp16 x (its '2xfp16'
 # default) 0.41-0.77x (first anchor 1.49 -> 1.09 ms out alone), bf16 x returning final states
 # (their update in '3xbf16') 0.55-0.77x (first anchor 0.93 -> 0.56 ms), the final states
-# 4-5e-8 apart (experiments/ab_walk_modes_ebba46f.txt). Not float32 x ('3xbf16'), untimed: at
-# the first anchor its walk (36 MMAs a chunk) spills 1,192 bytes on sm_90 with the compiler's 4
-# worker warps (120 before 9a0cced; tileiras 13.4 then failed to compile it for sm_80, "defOp
-# must be scheduled BEFORE useOp"); with 8, 242 registers and no spill on sm_90, 238 and none
-# on sm_100, 368 bytes spilled on sm_80 (CPU compiles at 91b3710).
+# 4-5e-8 apart (experiments/ab_walk_modes_ebba46f.txt). float32 x ('3xbf16', 36 MMAs a chunk)
+# up to dstate 64: there 0.504-0.517x with 8 worker warps at four shapes of 128 to 512 pairs,
+# out alone and with final states (first anchor at dstate 64 3.48 -> 1.79 ms; 0.642-0.665x
+# with the compiler's 4), at dstate 32 0.377x and 16 0.357x with 4 (0.55x and 0.64x with 8);
+# out 3-6% further from float64 than chunk 256's (~1.5e-7 normwise), final states 2% nearer
+# (experiments/ab_fp32_walk_rule_b85bfdb.txt). At dstate 128 it lost: 1.38x with 8 worker
+# warps (242 registers, no spill on sm_90), 1.23x with 4 (1,192 bytes spilled), 1.85x at
+# 32 heads in 8 groups (experiments/ab_fp32_walk_9b7a531.txt). On sm_90 8 worker warps at
+# dstate 64 take 168 registers, no spill (the compiler's 4: 255, none); at 32 both 168.
 WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16", torch.float32: "3xbf16"}
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
@@ -261,6 +271,8 @@ WALK_MIN_SPLIT_ROW_HEADS = 96
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
 REFERENCE_SM_COUNT = 132
+# Its compute capability (10 * major + minor), which the dispatch assumes off a GPU too.
+REFERENCE_CAPABILITY = 90
 MAX_HEADDIM = 256
 MAX_DSTATE = 256
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -674,8 +686,8 @@ def walk_occupancy(key: ProblemKey, mode: str, sms: int, copies: int = 1) -> Opt
     """``scan_out_occupancy`` of ``copies`` times the unsplit walk's blocks (``walk_blocks``:
     one copy a segment, or a part of one), in 'input' up to dstate SCAN_OUT_PAIRED_MAX_DSTATE;
     else None: in '2xfp16', where on sm_90 the hint 2 compiles to the same code as none (168
-    registers, 195,528 bytes of shared memory at the first anchor: one block an SM), and at
-    dstate 256 (``WALK_MAX_DSTATE``)."""
+    registers, 195,528 bytes of shared memory at the first anchor: one block an SM), in
+    '3xbf16' (float32 x: 222,856 bytes at dstate 64), and at dstate 256 (``WALK_MAX_DSTATE``)."""
     if mode != "input" or next_pow2(key.dstate) > SCAN_OUT_PAIRED_MAX_DSTATE:
         return None
     return scan_out_occupancy(walk_blocks(key) * copies, sms)
@@ -688,21 +700,32 @@ def walk_worker_warps(mode: str, n_pad: int) -> Optional[int]:
     return warps if n_pad >= least_n_pad else None
 
 
+def walk_max_dstate(mode: str, capability: int) -> int:
+    """The most dstate the walk takes in ``mode`` on a GPU of compute ``capability``:
+    WALK_MAX_DSTATE, or from 10.0 on WALK_MAX_DSTATE_FROM_SM100 where it names the mode."""
+    if capability >= 100:
+        return WALK_MAX_DSTATE_FROM_SM100.get(mode, WALK_MAX_DSTATE[mode])
+    return WALK_MAX_DSTATE[mode]
+
+
 def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
-                         occupancy: Optional[int], segments: int = 1) -> Optional[str]:
+                         occupancy: Optional[int], segments: int,
+                         capability: int) -> Optional[str]:
     """The mode of the walk's state update where stages 2 and 3 run as kernels/scan_out.py,
-    else None: a bf16 call in 'input' or an fp16 one in '2xfp16' (the defaults) at chunk
-    STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, or fewer
-    split in ``segments`` (``walk_segments``) where ``walk_takes_few_pairs``, dstate up to
-    the mode's WALK_MAX_DSTATE (the state in registers), no packed sequences, not both z and D unless the walk's
-    blocks run paired (``scan_out_occupancy``), and no chunk states handed back. The state
-    update is in the mode ``state_precision`` gives the chunk states: out alone, 'input'
-    (bf16) or '2xfp16'; returning final states, their float32-grade mode."""
+    else None: a bf16 call in 'input', an fp16 one in '2xfp16' or a float32 one in '3xbf16'
+    (the defaults, ``WALK_MODES``) at chunk STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS
+    (row, head) pairs or more, or fewer split in ``segments`` (``walk_segments``) where
+    ``walk_takes_few_pairs``, dstate up to the mode's ``walk_max_dstate`` on a GPU of compute
+    ``capability`` (the state in registers),
+    no packed sequences, not both z and D unless the walk's blocks run paired
+    (``scan_out_occupancy``), and no chunk states handed back. The state update is in the mode
+    ``state_precision`` gives the chunk states: out alone, 'input' (bf16), '2xfp16' or
+    '3xbf16'; returning final states, their float32-grade mode."""
     if not (WALK_MODES.get(key.x_dtype) == mode
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
                  or walk_takes_few_pairs(key, mode, segments))
-            and next_pow2(key.dstate) <= WALK_MAX_DSTATE[mode]
+            and next_pow2(key.dstate) <= walk_max_dstate(mode, capability)
             and key.seq_dtype is None and not key.per_seq_start and not key.varlen
             and not key.chunk_states_returned
             and (occupancy == 2 or not (key.has_d and key.z_dtype is not None))):
@@ -710,34 +733,37 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     return states_mode
 
 
-def walk_dispatch(key: ProblemKey, mode: str, states_mode: str,
-                  sms: int) -> tuple[Optional[str], Optional[int], int]:
+def walk_dispatch(key: ProblemKey, mode: str, states_mode: str, sms: int,
+                  capability: int) -> tuple[Optional[str], Optional[int], int]:
     """(state update mode, occupancy hint, segments) of the walk where it takes the call on
-    ``sms`` SMs (``walk_state_precision``, ``walk_occupancy``, ``walk_segments``), else
-    (None, None, 1)."""
+    ``sms`` SMs of compute ``capability`` (``walk_state_precision``, ``walk_occupancy``,
+    ``walk_segments``), else (None, None, 1)."""
     segments = walk_segments(key, sms)
     occupancy = walk_occupancy(key, mode, sms, segments)
-    walk_mode = walk_state_precision(key, mode, states_mode, occupancy, segments)
+    walk_mode = walk_state_precision(key, mode, states_mode, occupancy, segments, capability)
     return (None, None, 1) if walk_mode is None else (walk_mode, occupancy, segments)
 
 
 def make_plan(key: ProblemKey, state_dtype: Optional[torch.dtype] = None,
-              precision: Optional[str] = None, sms: Optional[int] = None) -> Plan:
+              precision: Optional[str] = None, sms: Optional[int] = None,
+              capability: Optional[int] = None) -> Plan:
     """The kernels' variants and tiles for a problem: a function of the key, of the GPU's SM
-    count ``sms`` (default REFERENCE_SM_COUNT) and, on a GPU, of the user's tuning cache (CI,
-    without a GPU, compiles the variants it picks for the anchor shapes).
+    count ``sms`` (default REFERENCE_SM_COUNT) and compute ``capability`` (default
+    REFERENCE_CAPABILITY) and, on a GPU, of the user's tuning cache (CI, without a GPU,
+    compiles the variants it picks for the anchor shapes on each target).
     Remembered per key and tuning sources: building one was a third of the host path's Python
     time (36 of ~114 us on a 2-core CPU machine, launches stubbed), which small problems pay in
     full (reports/h200/experiments/host_and_fp32_probe_c091e22.txt)."""
     if state_dtype is None:     # stage_pipeline passes it resolved
         state_dtype = resolve_state_dtype(None, resolve_precision(precision, key.x_dtype),
                                           key.x_dtype)
-    return _plan(key, state_dtype, precision, tuning_sources(), sms or REFERENCE_SM_COUNT)
+    return _plan(key, state_dtype, precision, tuning_sources(), sms or REFERENCE_SM_COUNT,
+                 capability or REFERENCE_CAPABILITY)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
-          sources: tuple, sms: int) -> Plan:
+          sources: tuple, sms: int, capability: int) -> Plan:
     mode = resolve_precision(precision, key.x_dtype)
     states_mode = state_precision(mode, key.x_dtype, key.states_returned)
     fused = fuses_state_scan(key, states_mode)
@@ -800,7 +826,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                precision=states_mode, has_start=key.start_dtype is not None,
                                wide=wide)
     walk = segment_states = entering = None
-    walk_states_mode, occupancy, segments = walk_dispatch(key, mode, states_mode, sms)
+    walk_states_mode, occupancy, segments = walk_dispatch(key, mode, states_mode, sms,
+                                                          capability)
     parts = segment_split(key, segments)
     if walk_states_mode is not None:
         # Split, every segment starts from a float32 state (the first from the call's own).
@@ -948,7 +975,7 @@ def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[st
     varlen = problem.cu_seqlens is not None if varlen is None else bool(varlen and
                                                                        problem.cu_seqlens is not None)
     plan = make_plan(_key(problem, varlen, states_returned, chunk_states), state_dtype,
-                     precision, sm_count(problem.x.device))
+                     precision, sm_count(problem.x.device), compute_capability(problem.x.device))
     p = problem
     seq_idx = p.seq_idx
     if seq_idx is None and p.cu_seqlens is not None:
@@ -1006,9 +1033,10 @@ def default_chunk_size(problem: SSDProblem, precision: Optional[str] = None,
                                   varlen and problem.cu_seqlens is not None, wide=False)
     mode = resolve_precision(precision, key.x_dtype)
     states_mode = state_precision(mode, key.x_dtype, key.states_returned)
-    sms = sm_count(problem.x.device) or REFERENCE_SM_COUNT
+    device = problem.x.device
     fused = (fuses_state_scan(key, states_mode)
-             or walk_dispatch(key, mode, states_mode, sms)[0] is not None)
+             or walk_dispatch(key, mode, states_mode, sm_count(device) or REFERENCE_SM_COUNT,
+                              compute_capability(device) or REFERENCE_CAPABILITY)[0] is not None)
     return STATE_SCAN_CHUNK_SIZE if fused else DEFAULT_CHUNK_SIZE
 
 

@@ -4,7 +4,9 @@ The covering set is a list of problem recipes (``COVERING_KEYS``) run through th
 (``kernels.ssd.make_plan``), so CI compiles the kernel configs real calls launch: the anchor
 shapes in bf16 (plain and as a Mamba-2 layer calls them), the >2^31-element case, and small recipes
 chosen so that every dtype, chunk size, headdim, dstate, precision mode and feature flag appears at
-least once, several pairwise (a recipe with cu_seqlens has batch 1, as such calls do).
+least once, several pairwise (a recipe with cu_seqlens has batch 1, as such calls do). Each
+target's set is what the dispatcher picks on a GPU of its compute capability
+(``covering_variants``): sm_100's differs where ``kernels.ssd.walk_max_dstate`` does.
 
 A variant is a kernel config with the signature its launch specializes it on: the host code runs
 each recipe on meta tensors with ct.launch recording (``launch_signatures``), and every array
@@ -54,7 +56,8 @@ from cuda.tile.compilation import ArrayConstraint, KernelSignature, export_kerne
 
 from kernels.contract import SSDProblem
 from kernels.device import tileiras_env, tileiras_path
-from kernels.ssd import DEFAULT_CHUNK_SIZE, ProblemKey, StagePipeline, make_plan
+from kernels.ssd import (DEFAULT_CHUNK_SIZE, REFERENCE_CAPABILITY, ProblemKey, StagePipeline,
+                         make_plan)
 from kernels.tile_ops import kernel_signature, launch_constraint
 
 TARGETS = ("sm_80", "sm_90", "sm_100")
@@ -153,6 +156,14 @@ COVERING_KEYS = (
                dstate=dstate, states_returned=returned), None, None)
       for n, dstate in (("", 128), ("-n256", 256))
       for name, returned in (("out-only", False), ("final-states", True))),
+    # float32 x walks in '3xbf16' up to dstate 64, one block an SM (its state update in
+    # '3xbf16' with or without final states): with 8 worker warps at 64, the compiler's 4 at 32
+    # (kernels.ssd.WALK_WORKER_WARPS). On sm_100 it walks up to 32 (kernels.ssd.walk_max_dstate):
+    # the 64 recipe there runs the two state kernels and compute_out at chunk 64.
+    *((f"anchor-b8-L4096-h64-q64-fp32-n{dstate}-out-only-walk",
+       replace(_anchor(8, 4096, 64, 1, x_dtype=f32, b_dtype=f32, c_dtype=f32), chunk_size=64,
+               dstate=dstate, states_returned=False), None, None)
+      for dstate in (64, 32)),
     ("int64-b1-L139264-h256-q64-out-only-fused",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),
     ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,
@@ -320,12 +331,18 @@ def launch_signatures(key: ProblemKey, plan) -> list[tuple[str, object, KernelSi
     return found
 
 
-def covering_variants() -> list[Variant]:
-    """Every distinct (kernel config, launch signature) the covering recipes launch, in
-    first-seen order."""
+def target_capability(target: str) -> int:
+    """'sm_100' -> 100, the compute capability ``kernels.ssd.make_plan`` plans for."""
+    return int(target.removeprefix("sm_"))
+
+
+def covering_variants(capability: int = REFERENCE_CAPABILITY) -> list[Variant]:
+    """Every distinct (kernel config, launch signature) the covering recipes launch on a GPU of
+    compute ``capability`` (the H200's by default; the plans differ by target only where
+    ``kernels.ssd.walk_max_dstate`` does), in first-seen order."""
     found: dict[tuple, Variant] = {}
     for recipe, key, state_dtype, precision, *knobs in COVERING_KEYS:
-        plan = make_plan(key, state_dtype, precision)
+        plan = make_plan(key, state_dtype, precision, capability=capability)
         for field_name, changes in (knobs[0] if knobs else {}).items():
             plan = replace(plan, **{field_name: replace(getattr(plan, field_name), **changes)})
         for kernel, cfg, signature in launch_signatures(key, plan):
@@ -492,13 +509,14 @@ def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -
 
 def _compile_task(args):
     index, target, out_dir = args
-    return compile_variant(covering_variants()[index], target, out_dir)
+    return compile_variant(covering_variants(target_capability(target))[index], target, out_dir)
 
 
 def compile_all(targets=TARGETS, jobs: int = 2, out_dir: str | None = None) -> list[CompileResult]:
-    """Every covering variant for every target, ``jobs`` compiles at a time (spawned processes:
+    """Every target's covering variants for it, ``jobs`` compiles at a time (spawned processes:
     cuTile's front end is Python, tileiras is single-threaded per kernel)."""
-    tasks = [(i, t, out_dir) for i in range(len(covering_variants())) for t in targets]
+    tasks = [(i, t, out_dir) for t in targets
+             for i in range(len(covering_variants(target_capability(t))))]
     if jobs <= 1:
         return [_compile_task(task) for task in tasks]
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
@@ -561,22 +579,24 @@ def main(argv=None) -> int:
     parser.add_argument("--target", action="append", choices=TARGETS,
                         help="compile for this target (repeatable; default: all)")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--list", action="store_true", help="list the variants and exit")
+    parser.add_argument("--list", action="store_true",
+                        help="list the variants (of each --target; default: sm_90's) and exit")
     parser.add_argument("--out", help="keep the cubins (and results.json) in this folder")
     args = parser.parse_args(argv)
-    variants = covering_variants()
     if args.list:
-        for v in variants:
-            print(f"{v.name:60s} {v.config.describe()}  <- {', '.join(v.recipes)}")
+        for target in args.target or [f"sm_{REFERENCE_CAPABILITY}"]:
+            for v in covering_variants(target_capability(target)):
+                print(f"{target} {v.name:60s} {v.config.describe()}  <- {', '.join(v.recipes)}")
         return 0
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
-    results = compile_all(tuple(args.target or TARGETS), args.jobs, args.out)
-    by_name = {v.name: v for v in variants}
+    targets = tuple(args.target or TARGETS)
+    results = compile_all(targets, args.jobs, args.out)
+    variants = {(v.name, t): v for t in targets for v in covering_variants(target_capability(t))}
     failures = 0
     for r in results:
-        problems = ([r.error] if not r.ok else []) + violations(by_name[r.variant], r)
+        problems = ([r.error] if not r.ok else []) + violations(variants[r.variant, r.target], r)
         failures += bool(problems)
         status = "FAIL" if problems else "ok"
         tc = f" tc={r.tensor_core_mmas}" if r.target == REMARK_TARGET else ""

@@ -483,9 +483,9 @@ def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate, final_states, dty
     (``ssd.walk_state_precision``; its own scores at dstate 64; in bf16 two blocks to an SM on
     the H200, ``ssd.scan_out_occupancy``, and so with both z and D, but one at dstate 256, z or
     D alone there; fp16 in '2xfp16', with 8 worker warps at dstate 256; float32 in '3xbf16' up
-    to dstate 64, with 8 worker warps there), out alone or with the final states (its state update then
-    float32-grade: '3xbf16', '3xfp16'), each held to the rule against float64 over 15 chunks,
-    the last partial."""
+    to dstate 64, with 8 worker warps there), out alone or with the final states (its state
+    update then float32-grade: '3xbf16', '3xfp16'), each held to the rule against float64 over
+    15 chunks, the last partial."""
     from kernels.gpu_check import check_problem
     from kernels.ssd import default_chunk_size, stage_pipeline
     spec = ProblemSpec(batch=8, seqlen=900, nheads=64, headdim=64, dstate=dstate, ngroups=1,

@@ -258,6 +258,46 @@ def test_fp16_calls_walk_in_their_default_mode_one_block_an_sm():
     assert ssd.make_plan(alone, precision="3xfp16").scan_out is None
 
 
+def test_float32_calls_walk_up_to_dstate_64_in_their_default_mode():
+    """float32 x walks in '3xbf16' (``ssd.WALK_MODES``), out alone and with final states, one
+    block an SM, up to dstate 64 (``ssd.WALK_MAX_DSTATE``: at 128 the H200 ran it 1.23-1.85x
+    slower than chunk 256), with 8 worker warps at dstate 64 and the compiler's below
+    (``ssd.WALK_WORKER_WARPS``); at chunk 64 by default there, at chunk 256 at dstate 128; not
+    in another mode."""
+    f32 = dict(x_dtype=torch.float32, b_dtype=torch.float32, c_dtype=torch.float32)
+    key = replace(anchor_key(), dstate=64, **f32)
+    assert ssd.default_chunk_size(_meta_problem(key)) == 64
+    assert ssd.default_chunk_size(_meta_problem(replace(key, dstate=128))) == 256
+    for returned in (False, True):
+        walk = ssd.make_plan(replace(key, chunk_size=64, states_returned=returned)).scan_out
+        assert (walk.precision, walk.state_precision, walk.occupancy, walk.worker_warps) == \
+            ("3xbf16", "3xbf16", None, 8)
+    alone = replace(key, chunk_size=64, states_returned=False)
+    for dstate in (16, 32):
+        assert ssd.make_plan(replace(alone, dstate=dstate)).scan_out.worker_warps is None
+    assert ssd.make_plan(replace(alone, dstate=128)).scan_out is None
+    assert ssd.make_plan(alone, precision="3xtf32").scan_out is None
+    assert ssd.make_plan(replace(alone, has_d=True, z_dtype=torch.float32)).scan_out is None
+
+
+def test_from_sm100_float32_calls_walk_up_to_dstate_32(monkeypatch):
+    """On a GPU of compute capability 10.0 or more float32 x walks up to dstate 32
+    (``ssd.walk_max_dstate``: tileiras 13.4 fails to compile its walk at 64 for sm_100), so a
+    dstate-64 call takes chunk 256 by default there; the 16-bit walks keep their reach."""
+    f32 = dict(x_dtype=torch.float32, b_dtype=torch.float32, c_dtype=torch.float32)
+    alone = replace(anchor_key(), chunk_size=64, dstate=64, states_returned=False, **f32)
+    assert ssd.make_plan(alone, capability=90).scan_out is not None
+    assert ssd.make_plan(alone, capability=100).scan_out is None
+    assert ssd.make_plan(replace(alone, dstate=32), capability=100).scan_out is not None
+    for dtype in (torch.bfloat16, torch.float16):
+        sixteen = replace(alone, x_dtype=dtype, b_dtype=dtype, c_dtype=dtype, dstate=256)
+        assert ssd.make_plan(sixteen, capability=100).scan_out is not None, dtype
+    problem = _meta_problem(alone)
+    assert ssd.default_chunk_size(problem) == 64
+    monkeypatch.setattr(ssd, "compute_capability", lambda device: 100)
+    assert ssd.default_chunk_size(problem) == 256
+
+
 @pytest.mark.parametrize("blocks, occupancy", [(128, None), (192, 2), (256, 2), (384, None),
                                                (512, 2), (1024, 2)])
 def test_the_walk_pairs_its_blocks_where_the_h200_ran_them_faster_paired(blocks, occupancy):
