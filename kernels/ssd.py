@@ -716,9 +716,8 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     (the defaults, ``WALK_MODES``) at chunk STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS
     (row, head) pairs or more, or fewer split in ``segments`` (``walk_segments``) where
     ``walk_takes_few_pairs``, dstate up to the mode's ``walk_max_dstate`` on a GPU of compute
-    ``capability`` (the state in registers),
-    no packed sequences, not both z and D unless the walk's blocks run paired
-    (``scan_out_occupancy``), and no chunk states handed back. The state update is in the mode
+    ``capability`` (the state in registers), no packed sequences, not both z and D unless the
+    walk's blocks run paired (``scan_out_occupancy``), and no chunk states handed back. The state update is in the mode
     ``state_precision`` gives the chunk states: out alone, 'input' (bf16), '2xfp16' or
     '3xbf16'; returning final states, their float32-grade mode."""
     if not (WALK_MODES.get(key.x_dtype) == mode

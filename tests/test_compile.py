@@ -3,8 +3,9 @@ compiles to sm_80/sm_90/sm_100 cubins, keeps its matmuls on tensor cores where i
 promises them and moves its tiles by TMA (sm_90 remarks); those specializations are the H200's,
 and the host code launches the signatures CI compiles.
 
-The compiles (~270 tileiras runs) happen once, two at a time, in a module fixture; each
-(variant, target) is then its own test. Measured on the 2-core CI machine: see kernels/variants.py.
+The compiles (~500 tileiras runs: each target's covering set) happen once, two at a time, in a
+module fixture; each (variant, target) is then its own test. Measured on the 2-core CI machine:
+see kernels/variants.py.
 """
 from __future__ import annotations
 
