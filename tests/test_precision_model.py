@@ -314,14 +314,21 @@ def test_the_bf16_split_modes_sit_within_the_rule_and_below_tf32(name, seed):
 
 @pytest.mark.parametrize("name,seed", [("mamba2_init/fp32/L1000", 0),
                                        ("near_unit_decay/fp32/L1000", 0),
-                                       ("tiny_magnitude/fp32/L1000", 0)])
-def test_the_float32_bf16_split_is_float32_grade_in_the_model(name, seed):
+                                       ("tiny_magnitude/fp32/L1000", 0),
+                                       ("strong_decay/fp32/L1000", 0)])
+@pytest.mark.parametrize("chunk_size", [None, 64])
+def test_the_float32_bf16_split_is_float32_grade_in_the_model(name, seed, chunk_size):
     """3xbf16 with float32 x: every float32 operand in 3 bf16 terms and the 6 products above
     ~2^-27 relative, in the states' matmul too. In the model its output error stays within
     0.35 of the rule (the H200 envelope's float32 cells, "ieee": up to 0.34); leaving out the
     a2.b2 product (~2^-18) puts it at 2.4-4.2 of the rule. These are CPU sums: how the tensor
-    cores sum is the test below."""
-    nonfinite, ratio = judged(cell_problem(name, seed), "3xbf16", states_in_mode=True)
+    cores sum is the test below. At the cells' own chunk size (128) and at chunk 64, where
+    float32 calls walk up to dstate 64 (kernels.ssd.WALK_MODES; the walk's products are these
+    at chunk 64, its state in float32 registers as the passed states are): 0.16-0.26 of the
+    rule when this was written."""
+    problem = cell_problem(name, seed)
+    problem = replace(problem, chunk_size=chunk_size or problem.chunk_size)
+    nonfinite, ratio = judged(problem, "3xbf16", states_in_mode=True)
     assert nonfinite == 0 and ratio <= 0.35, ratio
 
 
