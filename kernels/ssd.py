@@ -717,9 +717,9 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     (row, head) pairs or more, or fewer split in ``segments`` (``walk_segments``) where
     ``walk_takes_few_pairs``, dstate up to the mode's ``walk_max_dstate`` on a GPU of compute
     ``capability`` (the state in registers), no packed sequences, not both z and D unless the
-    walk's blocks run paired (``scan_out_occupancy``), and no chunk states handed back. The state update is in the mode
-    ``state_precision`` gives the chunk states: out alone, 'input' (bf16), '2xfp16' or
-    '3xbf16'; returning final states, their float32-grade mode."""
+    walk's blocks run paired (``scan_out_occupancy``), and no chunk states handed back. The
+    state update is in the mode ``state_precision`` gives the chunk states: out alone, 'input'
+    (bf16), '2xfp16' or '3xbf16'; returning final states, their float32-grade mode."""
     if not (WALK_MODES.get(key.x_dtype) == mode
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
@@ -973,8 +973,9 @@ def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[st
     require_gpu(problem.x)
     varlen = problem.cu_seqlens is not None if varlen is None else bool(varlen and
                                                                        problem.cu_seqlens is not None)
+    device = problem.x.device
     plan = make_plan(_key(problem, varlen, states_returned, chunk_states), state_dtype,
-                     precision, sm_count(problem.x.device), compute_capability(problem.x.device))
+                     precision, sm_count(device), compute_capability(device))
     p = problem
     seq_idx = p.seq_idx
     if seq_idx is None and p.cu_seqlens is not None:
