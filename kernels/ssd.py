@@ -211,6 +211,15 @@ WALK_MAX_DSTATE_FROM_SM100 = {"3xbf16": 32}
 # (worker warps, the least padded dstate that takes them) of the walk by mode; elsewhere the
 # compiler's 4 (``walk_worker_warps``). bf16's walk at dstate 64 took 1.25x its time with 8.
 WALK_WORKER_WARPS = {"2xfp16": (8, 256), "3xbf16": (8, 64)}
+# The walk's state update by (the chunk states' mode, padded dstate) where it runs in another
+# (``walk_state_precision``): fp16's out alone at dstate 64 in three scaled fp16 terms, as with
+# final states, though two suffice there. On the H200 at 3d22b7b that took 0.853-0.884x the
+# walk's time at six shapes (8 x 4096 x 64 heads 1.134 -> 0.974 ms, 8 x 8192 x 64, 2 x 8192 x
+# 64, 4 x 8192 x 32 heads in 8 groups, headdim 128), out 2.5-3.0e-6 from two terms' and as far
+# from float64 (2.07e-4 normwise, equal to 1e-11); it lost at dstate 32 (1.027x), 16 (1.351x),
+# 128 (1.04-1.05x; on sm_90 56 bytes spilled) and 256 (1.058x with 8 worker warps)
+# (experiments/ab_fp16_walk_state_3d22b7b.txt, ab_fp16_walk_state_ed99326.txt).
+WALK_STATE_UPDATE_MODES = {("2xfp16", 64): "3xfp16"}
 SCAN_OUT_PAIRED_MAX_DSTATE = 128
 # Alone, a walk block takes 212,520 bytes of shared memory on sm_90 (the first anchor), so one
 # runs per SM; compiled with occupancy=2 it takes 93,600 bytes and 128 registers, no spill, and
@@ -718,8 +727,9 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     ``walk_takes_few_pairs``, dstate up to the mode's ``walk_max_dstate`` on a GPU of compute
     ``capability`` (the state in registers), no packed sequences, not both z and D unless the
     walk's blocks run paired (``scan_out_occupancy``), and no chunk states handed back. The
-    state update is in the mode ``state_precision`` gives the chunk states: out alone, 'input'
-    (bf16), '2xfp16' or '3xbf16'; returning final states, their float32-grade mode."""
+    state update is in the mode ``state_precision`` gives the chunk states (out alone, 'input'
+    (bf16), '2xfp16' or '3xbf16'; returning final states, their float32-grade mode), or in the
+    one WALK_STATE_UPDATE_MODES names for it at the call's padded dstate."""
     if not (WALK_MODES.get(key.x_dtype) == mode
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
@@ -729,7 +739,7 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
             and not key.chunk_states_returned
             and (occupancy == 2 or not (key.has_d and key.z_dtype is not None))):
         return None
-    return states_mode
+    return WALK_STATE_UPDATE_MODES.get((states_mode, next_pow2(key.dstate)), states_mode)
 
 
 def walk_dispatch(key: ProblemKey, mode: str, states_mode: str, sms: int,

@@ -149,12 +149,13 @@ COVERING_KEYS = (
     ("int64-b1-L524288-h64-q64-out-only-walk-segments",
      replace(_anchor(1, 524288, 64, 1), chunk_size=64, states_returned=False), None, None),
     # fp16 x in its '2xfp16' default walks too (kernels.ssd.WALK_MODES), one block an SM: out
-    # alone (states in '2xfp16') and with final states ('3xfp16'), at dstate 256 with 8 worker
-    # warps (kernels.ssd.WALK_WORKER_WARPS).
+    # alone (states in '2xfp16', at dstate 64 in '3xfp16': kernels.ssd.WALK_STATE_UPDATE_MODES)
+    # and with final states ('3xfp16'), at dstate 256 with 8 worker warps
+    # (kernels.ssd.WALK_WORKER_WARPS).
     *((f"anchor-b8-L4096-h64-q64-fp16{n}-{name}-walk",
        replace(_anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16, c_dtype=f16), chunk_size=64,
                dstate=dstate, states_returned=returned), None, None)
-      for n, dstate in (("", 128), ("-n256", 256))
+      for n, dstate in (("", 128), ("-n64", 64), ("-n256", 256))
       for name, returned in (("out-only", False), ("final-states", True))),
     # float32 x walks in '3xbf16' up to dstate 64, one block an SM (its state update in
     # '3xbf16' with or without final states): with 8 worker warps at 64, the compiler's 4 at 32

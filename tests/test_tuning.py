@@ -244,8 +244,10 @@ def test_calls_returning_final_states_walk_with_float32_grade_increments():
 
 def test_fp16_calls_walk_in_their_default_mode_one_block_an_sm():
     """fp16 x walks in '2xfp16' (``ssd.WALK_MODES``), its state update in the chunk states' mode
-    ('2xfp16' out alone, '3xfp16' with final states), one block an SM (the hint 2 compiles to
-    the same code on sm_90), and so not with both z and D; at chunk 64 by default."""
+    ('2xfp16' out alone, '3xfp16' with final states) but out alone at dstate 64, where it runs
+    in '3xfp16' (``ssd.WALK_STATE_UPDATE_MODES``: the H200 ran it faster so), one block an SM
+    (the hint 2 compiles to the same code on sm_90), and so not with both z and D; at chunk 64
+    by default."""
     key = replace(anchor_key(), x_dtype=torch.float16, b_dtype=torch.float16,
                   c_dtype=torch.float16)
     assert ssd.default_chunk_size(_meta_problem(key)) == 64
@@ -254,6 +256,12 @@ def test_fp16_calls_walk_in_their_default_mode_one_block_an_sm():
     assert (walk.precision, walk.state_precision, walk.occupancy) == ("2xfp16", "2xfp16", None)
     assert ssd.make_plan(replace(alone, states_returned=True)).scan_out.state_precision == \
         "3xfp16"
+    for dstate, state_mode in ((16, "2xfp16"), (32, "2xfp16"), (48, "3xfp16"), (64, "3xfp16"),
+                               (256, "2xfp16")):
+        walk = ssd.make_plan(replace(alone, dstate=dstate)).scan_out
+        assert (walk.precision, walk.state_precision) == ("2xfp16", state_mode), dstate
+        returned = ssd.make_plan(replace(alone, dstate=dstate, states_returned=True)).scan_out
+        assert returned.state_precision == "3xfp16", dstate
     assert ssd.make_plan(replace(alone, has_d=True, z_dtype=torch.float16)).scan_out is None
     assert ssd.make_plan(alone, precision="3xfp16").scan_out is None
 
