@@ -32,10 +32,11 @@ call returning final states walks too, its increments float32-grade in '3xbf16' 
 sm_90 at the first anchor: paired 128 registers with a 72-byte spill frame (10 tensor-core MMAs
 against 6), alone 168 registers, no spill, 177,632 bytes of shared memory. fp16 x walks in
 '2xfp16' (``kernels.ssd.WALK_MODES``): 168 registers, no spill, 195,528 bytes (one block an SM),
-12 MMAs; at dstate 64 its state update in '3xfp16' (``kernels.ssd.WALK_STATE_UPDATE_MODES``:
-there two terms spill 400 bytes on sm_90, three 8); float32 x in '3xbf16' up to dstate 64, 36
-MMAs. On the H200 all three beat the chunk-256 path those calls took before (0.36-0.77x;
-kernels/ssd.py, at WALK_MODES, has the figures).
+12 MMAs; float32 x in '3xbf16' up to dstate 64, 36 MMAs. On the H200 all three beat the
+chunk-256 path those calls took before (0.36-0.77x; kernels/ssd.py, at WALK_MODES, has the
+figures). Their blocks too run two to an SM where that pays, fp16's up to dstate 64, float32's
+up to 32 (``kernels.ssd.WALK_PAIRING``); one an SM, fp16's at dstate 64 updates its state in
+'3xfp16' (``kernels.ssd.WALK_STATE_UPDATE_MODES``: two terms spill 400 bytes there on sm_90).
 
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third

@@ -211,16 +211,17 @@ WALK_MAX_DSTATE_FROM_SM100 = {"3xbf16": 32}
 # (worker warps, the least padded dstate that takes them) of the walk by mode; elsewhere the
 # compiler's 4 (``walk_worker_warps``). bf16's walk at dstate 64 took 1.25x its time with 8.
 WALK_WORKER_WARPS = {"2xfp16": (8, 256), "3xbf16": (8, 64)}
-# The walk's state update by (the chunk states' mode, padded dstate) where it runs in another
-# (``walk_state_precision``): fp16's out alone at dstate 64 in three scaled fp16 terms, as with
-# final states, though two suffice there. On the H200 at 3d22b7b that took 0.853-0.884x the
-# walk's time at six shapes (8 x 4096 x 64 heads 1.134 -> 0.974 ms, 8 x 8192 x 64, 2 x 8192 x
-# 64, 4 x 8192 x 32 heads in 8 groups, headdim 128), out 2.5-3.0e-6 from two terms' and as far
-# from float64 (2.07e-4 normwise, equal to 1e-11); it lost at dstate 32 (1.027x), 16 (1.351x),
-# 128 (1.04-1.05x; on sm_90 56 bytes spilled) and 256 (1.058x with 8 worker warps)
-# (experiments/ab_fp16_walk_state_3d22b7b.txt, ab_fp16_walk_state_ed99326.txt).
+# The walk's state update by (the chunk states' mode, padded dstate) where it runs in another,
+# one block an SM (``walk_state_precision``): fp16's out alone at dstate 64 in three scaled fp16
+# terms, as with final states, though two suffice there (on sm_90 two spill 400 bytes, three
+# 8). On the H200 at 3d22b7b that took 0.853-0.884x the walk's time at six shapes (8 x 4096 x
+# 64 heads 1.134 -> 0.974 ms, 8 x 8192 x 64, 2 x 8192 x 64, 4 x 8192 x 32 heads in 8 groups,
+# headdim 128), out 2.5-3.0e-6 from two terms' and as far from float64 (2.07e-4 normwise,
+# equal to 1e-11); it lost at dstate 32 (1.027x), 16 (1.351x), 128 (1.04-1.05x; on sm_90 56
+# bytes spilled) and 256 (1.058x with 8 worker warps) (experiments/ab_fp16_walk_state_3d22b7b.txt,
+# ab_fp16_walk_state_ed99326.txt). Paired (WALK_PAIRING) two terms won: 0.627-0.633x one block
+# an SM against three's 0.656-0.658x (experiments/ab_walk_pairing_50fd6c2.txt).
 WALK_STATE_UPDATE_MODES = {("2xfp16", 64): "3xfp16"}
-SCAN_OUT_PAIRED_MAX_DSTATE = 128
 # Alone, a walk block takes 212,520 bytes of shared memory on sm_90 (the first anchor), so one
 # runs per SM; compiled with occupancy=2 it takes 93,600 bytes and 128 registers, no spill, and
 # two share an SM, which then finishes both in SCAN_OUT_PAIRED_COST times one block's time
@@ -235,6 +236,20 @@ SCAN_OUT_PAIRED_MAX_DSTATE = 128
 # takes both (experiments/ab_scan_out_zd_a7cf504.txt, ab_scan_out_occupancy_2d1c4d7.txt,
 # ab_scan_out_occupancy_256_2d1c4d7.txt).
 SCAN_OUT_PAIRED_COST = 1.68
+# By mode, the most padded dstate at which the walk's blocks may run two to an SM, and a paired
+# round's cost in one block's time alone (``walk_occupancy``); elsewhere one block an SM. On
+# the H200 at 50fd6c2 against one block an SM (experiments/ab_walk_pairing_50fd6c2.txt): fp16
+# ('2xfp16') at dstate 64 0.628x at 512 blocks (8 x 4096 x 64 heads 0.965 -> 0.606 ms), 0.658x
+# at 256, 0.816x at 384 (cost 1.22-1.32 a paired round), 0.634x at headdim 128, 0.655x with
+# final states, 0.596x at dstate 32, 0.774x at 16; with both z and D, which only a paired walk
+# takes, 0.30-0.32x the chunk 256 such calls took; lost at dstate 128 (1.11-1.16x) and at 128
+# blocks (1.085-1.095x, one round either way). float32 ('3xbf16') at dstate 32 0.819x at 512
+# blocks, 0.823x at 256, 0.821x with final states, at 16 0.893x, both z and D 0.343x chunk 256's;
+# lost at 384 blocks (1.071x: cost 1.63) and did nothing at dstate 64 (1.002x, 8 worker warps).
+# Outs bit-equal paired and alone. On sm_90 with the hint 2 fp16's dstate-64 walk takes 128
+# registers, 8 bytes spilled, 70,248 bytes of shared memory; float32's dstate-32 walk 128
+# registers, no spill, 113,272 bytes; fp16's dstate-128 walk 253 registers, 95,024 bytes.
+WALK_PAIRING = {"input": (128, SCAN_OUT_PAIRED_COST), "2xfp16": (64, 1.32), "3xbf16": (32, 1.63)}
 # The mode the walk runs in for each x dtype: the dtype's default. Measured on the H200 against
 # chunk 256 and the two state kernels, which such calls took before: fp16 x (its '2xfp16'
 # default) 0.41-0.77x (first anchor 1.49 -> 1.09 ms out alone), bf16 x returning final states
@@ -644,12 +659,13 @@ def fuses_state_scan(key: ProblemKey, states_mode: str) -> bool:
             and not key.per_seq_start and not key.varlen)
 
 
-def scan_out_occupancy(blocks: int, sms: int) -> Optional[int]:
-    """2 where the walk's blocks finish sooner two to an SM (occupancy=2), at
-    SCAN_OUT_PAIRED_COST a pair, than one to an SM; else None (the compiler's choice, one)."""
+def scan_out_occupancy(blocks: int, sms: int,
+                       paired_cost: float = SCAN_OUT_PAIRED_COST) -> Optional[int]:
+    """2 where the walk's blocks finish sooner two to an SM (occupancy=2), at ``paired_cost``
+    times one block's time a pair, than one to an SM; else None (the compiler's choice, one)."""
     rounds_alone = -(-blocks // sms)
     rounds_paired = -(-blocks // (2 * sms))
-    return 2 if rounds_paired * SCAN_OUT_PAIRED_COST < rounds_alone else None
+    return 2 if rounds_paired * paired_cost < rounds_alone else None
 
 
 def walk_blocks(key: ProblemKey) -> int:
@@ -693,13 +709,12 @@ def walk_takes_few_pairs(key: ProblemKey, mode: str, segments: int) -> bool:
 
 def walk_occupancy(key: ProblemKey, mode: str, sms: int, copies: int = 1) -> Optional[int]:
     """``scan_out_occupancy`` of ``copies`` times the unsplit walk's blocks (``walk_blocks``:
-    one copy a segment, or a part of one), in 'input' up to dstate SCAN_OUT_PAIRED_MAX_DSTATE;
-    else None: in '2xfp16', where on sm_90 the hint 2 compiles to the same code as none (168
-    registers, 195,528 bytes of shared memory at the first anchor: one block an SM), in
-    '3xbf16' (float32 x: 222,856 bytes at dstate 64), and at dstate 256 (``WALK_MAX_DSTATE``)."""
-    if mode != "input" or next_pow2(key.dstate) > SCAN_OUT_PAIRED_MAX_DSTATE:
+    one copy a segment, or a part of one) at the mode's paired cost, up to its most dstate
+    (WALK_PAIRING); else None: one block an SM."""
+    max_dstate, paired_cost = WALK_PAIRING.get(mode, (0, None))
+    if next_pow2(key.dstate) > max_dstate:
         return None
-    return scan_out_occupancy(walk_blocks(key) * copies, sms)
+    return scan_out_occupancy(walk_blocks(key) * copies, sms, paired_cost)
 
 
 def walk_worker_warps(mode: str, n_pad: int) -> Optional[int]:
@@ -728,8 +743,8 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     ``capability`` (the state in registers), no packed sequences, not both z and D unless the
     walk's blocks run paired (``scan_out_occupancy``), and no chunk states handed back. The
     state update is in the mode ``state_precision`` gives the chunk states (out alone, 'input'
-    (bf16), '2xfp16' or '3xbf16'; returning final states, their float32-grade mode), or in the
-    one WALK_STATE_UPDATE_MODES names for it at the call's padded dstate."""
+    (bf16), '2xfp16' or '3xbf16'; returning final states, their float32-grade mode), or, one
+    block an SM, in the one WALK_STATE_UPDATE_MODES names for it at the call's padded dstate."""
     if not (WALK_MODES.get(key.x_dtype) == mode
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
@@ -739,7 +754,9 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
             and not key.chunk_states_returned
             and (occupancy == 2 or not (key.has_d and key.z_dtype is not None))):
         return None
-    return WALK_STATE_UPDATE_MODES.get((states_mode, next_pow2(key.dstate)), states_mode)
+    if occupancy is None:
+        return WALK_STATE_UPDATE_MODES.get((states_mode, next_pow2(key.dstate)), states_mode)
+    return states_mode
 
 
 def walk_dispatch(key: ProblemKey, mode: str, states_mode: str, sms: int,

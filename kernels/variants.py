@@ -148,23 +148,31 @@ COVERING_KEYS = (
      None, None),
     ("int64-b1-L524288-h64-q64-out-only-walk-segments",
      replace(_anchor(1, 524288, 64, 1), chunk_size=64, states_returned=False), None, None),
-    # fp16 x in its '2xfp16' default walks too (kernels.ssd.WALK_MODES), one block an SM: out
-    # alone (states in '2xfp16', at dstate 64 in '3xfp16': kernels.ssd.WALK_STATE_UPDATE_MODES)
-    # and with final states ('3xfp16'), at dstate 256 with 8 worker warps
-    # (kernels.ssd.WALK_WORKER_WARPS).
+    # fp16 x in its '2xfp16' default walks too (kernels.ssd.WALK_MODES), one block an SM, but
+    # two up to dstate 64 (kernels.ssd.WALK_PAIRING): out alone (states in '2xfp16') and with
+    # final states ('3xfp16'), at dstate 256 with 8 worker warps (kernels.ssd.WALK_WORKER_WARPS).
+    # One block an SM at dstate 64 (fewer pairs) its state update runs in '3xfp16'
+    # (kernels.ssd.WALK_STATE_UPDATE_MODES).
     *((f"anchor-b8-L4096-h64-q64-fp16{n}-{name}-walk",
        replace(_anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16, c_dtype=f16), chunk_size=64,
                dstate=dstate, states_returned=returned), None, None)
       for n, dstate in (("", 128), ("-n64", 64), ("-n256", 256))
       for name, returned in (("out-only", False), ("final-states", True))),
-    # float32 x walks in '3xbf16' up to dstate 64, one block an SM (its state update in
-    # '3xbf16' with or without final states): with 8 worker warps at 64, the compiler's 4 at 32
-    # (kernels.ssd.WALK_WORKER_WARPS). On sm_100 it walks up to 32 (kernels.ssd.walk_max_dstate):
-    # the 64 recipe there runs the two state kernels and compute_out at chunk 64.
+    # float32 x walks in '3xbf16' up to dstate 64 (its state update in '3xbf16' with or without
+    # final states): one block an SM with 8 worker warps at 64, two with the compiler's 4 at 32
+    # (kernels.ssd.WALK_WORKER_WARPS, WALK_PAIRING). On sm_100 it walks up to 32
+    # (kernels.ssd.walk_max_dstate): the 64 recipe there runs the two state kernels and
+    # compute_out at chunk 64.
     *((f"anchor-b8-L4096-h64-q64-fp32-n{dstate}-out-only-walk",
        replace(_anchor(8, 4096, 64, 1, x_dtype=f32, b_dtype=f32, c_dtype=f32), chunk_size=64,
                dstate=dstate, states_returned=False), None, None)
       for dstate in (64, 32)),
+    # One block an SM where two rows of 64 heads take one round either way: fp16's dstate-64
+    # walk, its state update in '3xfp16', and float32's dstate-32 walk.
+    *((f"anchor-b2-L4096-h64-q64-{name}-out-only-walk-alone",
+       replace(_anchor(2, 4096, 64, 1, x_dtype=dtype, b_dtype=dtype, c_dtype=dtype),
+               chunk_size=64, dstate=dstate, states_returned=False), None, None)
+      for name, dtype, dstate in (("fp16-n64", f16, 64), ("fp32-n32", f32, 32))),
     ("int64-b1-L139264-h256-q64-out-only-fused",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),
     ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,

@@ -476,18 +476,17 @@ def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_b
     ("channel", False, 128, True, "fp16"), (None, False, 256, False, "bf16"),
     ("head", False, 256, True, "bf16"), (None, True, 256, False, "bf16"),
     (None, False, 256, False, "fp16"), ("channel", False, 256, True, "fp16"),
-    (None, False, 64, False, "fp16"), (None, True, 64, False, "fp16"),
+    (None, False, 64, False, "fp16"), ("channel", True, 64, False, "fp16"),
     (None, False, 64, False, "fp32"), ("channel", False, 64, True, "fp32"),
-    (None, True, 32, False, "fp32")])
+    (None, True, 32, False, "fp32"), ("head", True, 16, False, "fp32")])
 def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate, final_states, dtype):
     """chunk_size=None at 512 (row, head) pairs: kernels/scan_out.py as the dispatcher runs it
-    (``ssd.walk_state_precision``; its own scores at dstate 64; in bf16 two blocks to an SM on
-    the H200, ``ssd.scan_out_occupancy``, and so with both z and D, but one at dstate 256, z or
-    D alone there; fp16 in '2xfp16', with 8 worker warps at dstate 256, its state update in
-    '3xfp16' at dstate 64, ``ssd.WALK_STATE_UPDATE_MODES``; float32 in '3xbf16' up to dstate
-    64, with 8 worker warps there), out alone or with the final states (its state update then
-    float32-grade: '3xbf16', '3xfp16'), each held to the rule against float64 over 15 chunks,
-    the last partial."""
+    (``ssd.walk_state_precision``; its own scores at dstate 64; two blocks to an SM on the H200,
+    ``ssd.walk_occupancy``, and so with both z and D, in bf16 up to dstate 128, fp16 up to 64,
+    float32 up to 32, else one, z or D alone there; fp16 in '2xfp16', with 8 worker warps at
+    dstate 256; float32 in '3xbf16' up to dstate 64, with 8 worker warps there), out alone or
+    with the final states (its state update then float32-grade: '3xbf16', '3xfp16'), each held
+    to the rule against float64 over 15 chunks, the last partial."""
     from kernels.gpu_check import check_problem
     from kernels.ssd import default_chunk_size, stage_pipeline
     spec = ProblemSpec(batch=8, seqlen=900, nheads=64, headdim=64, dstate=dstate, ngroups=1,
@@ -497,9 +496,29 @@ def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate, final_states, dty
     assert default_chunk_size(problem) == 64
     walk = stage_pipeline(problem).plan.scan_out
     assert walk.state_precision == {("bf16", False): "input", ("bf16", True): "3xbf16",
-                                    ("fp16", False): "3xfp16" if dstate == 64 else "2xfp16",
+                                    ("fp16", False): "2xfp16",
                                     ("fp16", True): "3xfp16", ("fp32", False): "3xbf16",
                                     ("fp32", True): "3xbf16"}[dtype, final_states]
+    paired_up_to = {"bf16": 128, "fp16": 64, "fp32": 32}[dtype]
+    assert walk.occupancy == (2 if dstate <= paired_up_to else None)
+    record = check_problem(problem, with_mamba=False)
+    assert not record["violations"], record["violations"]
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_the_fp16_walk_one_block_an_sm_at_dstate_64_passes_the_rule():
+    """128 (row, head) pairs, fp16, dstate 64, out alone: the walk one block an SM, its state
+    update in '3xfp16' (``ssd.WALK_STATE_UPDATE_MODES``), with D per head, held to the rule
+    against float64 over 15 chunks, the last partial."""
+    from kernels.gpu_check import check_problem
+    from kernels.ssd import stage_pipeline
+    spec = ProblemSpec(batch=2, seqlen=900, nheads=64, headdim=64, dstate=64, ngroups=1,
+                       chunk_size=64, x_dtype="fp16", bc_dtype="fp16", D="head",
+                       initial_states=True, return_final_states=False)
+    problem = build_problem(spec, "cuda")
+    walk = stage_pipeline(problem, states_returned=False).plan.scan_out
+    assert (walk.state_precision, walk.occupancy) == ("3xfp16", None)
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
 

@@ -242,36 +242,39 @@ def test_calls_returning_final_states_walk_with_float32_grade_increments():
                                  cu_dtype=torch.int32, nseq=2)).scan_out is None
 
 
-def test_fp16_calls_walk_in_their_default_mode_one_block_an_sm():
-    """fp16 x walks in '2xfp16' (``ssd.WALK_MODES``), its state update in the chunk states' mode
-    ('2xfp16' out alone, '3xfp16' with final states) but out alone at dstate 64, where it runs
-    in '3xfp16' (``ssd.WALK_STATE_UPDATE_MODES``: the H200 ran it faster so), one block an SM
-    (the hint 2 compiles to the same code on sm_90), and so not with both z and D; at chunk 64
-    by default."""
+def test_fp16_calls_walk_in_their_default_mode_paired_up_to_dstate_64():
+    """fp16 x walks in '2xfp16' (``ssd.WALK_MODES``) at chunk 64 by default, its state update in
+    the chunk states' mode ('2xfp16' out alone, '3xfp16' with final states). Its blocks run two
+    to an SM up to dstate 64 where that takes fewer rounds at its paired cost
+    (``ssd.WALK_PAIRING``), and so also with both z and D there; one an SM at dstate 128 and 256,
+    which so keep the scan and compute_out with both. One an SM, out alone at dstate 64, its
+    state update runs in '3xfp16' (``ssd.WALK_STATE_UPDATE_MODES``: the H200 ran it faster so)."""
     key = replace(anchor_key(), x_dtype=torch.float16, b_dtype=torch.float16,
                   c_dtype=torch.float16)
     assert ssd.default_chunk_size(_meta_problem(key)) == 64
     alone = replace(key, chunk_size=64, states_returned=False)
-    walk = ssd.make_plan(alone).scan_out
-    assert (walk.precision, walk.state_precision, walk.occupancy) == ("2xfp16", "2xfp16", None)
-    assert ssd.make_plan(replace(alone, states_returned=True)).scan_out.state_precision == \
-        "3xfp16"
-    for dstate, state_mode in ((16, "2xfp16"), (32, "2xfp16"), (48, "3xfp16"), (64, "3xfp16"),
-                               (256, "2xfp16")):
+    for dstate, occupancy in ((16, 2), (32, 2), (48, 2), (64, 2), (128, None), (256, None)):
         walk = ssd.make_plan(replace(alone, dstate=dstate)).scan_out
-        assert (walk.precision, walk.state_precision) == ("2xfp16", state_mode), dstate
+        assert (walk.precision, walk.state_precision, walk.occupancy) == \
+            ("2xfp16", "2xfp16", occupancy), dstate
         returned = ssd.make_plan(replace(alone, dstate=dstate, states_returned=True)).scan_out
-        assert returned.state_precision == "3xfp16", dstate
-    assert ssd.make_plan(replace(alone, has_d=True, z_dtype=torch.float16)).scan_out is None
+        assert (returned.state_precision, returned.occupancy) == ("3xfp16", occupancy), dstate
+        both = ssd.make_plan(replace(alone, dstate=dstate, has_d=True, z_dtype=torch.float16))
+        assert (both.scan_out is not None) == (occupancy == 2), dstate
+    two_rows = replace(alone, batch=2)
+    for dstate, state_mode in ((32, "2xfp16"), (64, "3xfp16"), (128, "2xfp16")):
+        walk = ssd.make_plan(replace(two_rows, dstate=dstate)).scan_out
+        assert (walk.state_precision, walk.occupancy) == (state_mode, None), dstate
     assert ssd.make_plan(alone, precision="3xfp16").scan_out is None
 
 
 def test_float32_calls_walk_up_to_dstate_64_in_their_default_mode():
-    """float32 x walks in '3xbf16' (``ssd.WALK_MODES``), out alone and with final states, one
-    block an SM, up to dstate 64 (``ssd.WALK_MAX_DSTATE``: at 128 the H200 ran it 1.23-1.85x
-    slower than chunk 256), with 8 worker warps at dstate 64 and the compiler's below
-    (``ssd.WALK_WORKER_WARPS``); at chunk 64 by default there, at chunk 256 at dstate 128; not
-    in another mode."""
+    """float32 x walks in '3xbf16' (``ssd.WALK_MODES``), out alone and with final states, up to
+    dstate 64 (``ssd.WALK_MAX_DSTATE``: at 128 the H200 ran it 1.23-1.85x slower than chunk
+    256), with 8 worker warps at dstate 64, one block an SM, and the compiler's below, two to an
+    SM where that takes fewer rounds at its paired cost (``ssd.WALK_PAIRING``), and so with both
+    z and D there; at chunk 64 by default there, at chunk 256 at dstate 128; not in another
+    mode."""
     f32 = dict(x_dtype=torch.float32, b_dtype=torch.float32, c_dtype=torch.float32)
     key = replace(anchor_key(), dstate=64, **f32)
     assert ssd.default_chunk_size(_meta_problem(key)) == 64
@@ -282,7 +285,11 @@ def test_float32_calls_walk_up_to_dstate_64_in_their_default_mode():
             ("3xbf16", "3xbf16", None, 8)
     alone = replace(key, chunk_size=64, states_returned=False)
     for dstate in (16, 32):
-        assert ssd.make_plan(replace(alone, dstate=dstate)).scan_out.worker_warps is None
+        walk = ssd.make_plan(replace(alone, dstate=dstate)).scan_out
+        assert (walk.worker_warps, walk.occupancy) == (None, 2), dstate
+        both = replace(alone, dstate=dstate, has_d=True, z_dtype=torch.float32)
+        assert ssd.make_plan(both).scan_out.occupancy == 2, dstate
+        assert ssd.make_plan(replace(both, batch=2)).scan_out is None, dstate
     assert ssd.make_plan(replace(alone, dstate=128)).scan_out is None
     assert ssd.make_plan(alone, precision="3xtf32").scan_out is None
     assert ssd.make_plan(replace(alone, has_d=True, z_dtype=torch.float32)).scan_out is None
@@ -312,6 +319,22 @@ def test_the_walk_pairs_its_blocks_where_the_h200_ran_them_faster_paired(blocks,
     """The block counts of the H200 A/B (132 SMs; experiments/ab_scan_out_occupancy_*): two
     blocks to an SM won at 192, 256, 512 and 1024 blocks, lost at 128 and 384."""
     assert ssd.scan_out_occupancy(blocks, ssd.REFERENCE_SM_COUNT) == occupancy
+
+
+@pytest.mark.parametrize("mode, dstate, paired_at_384", [("input", 128, False),
+                                                         ("2xfp16", 64, True),
+                                                         ("3xbf16", 32, False)])
+def test_each_mode_pairs_its_walk_at_its_own_cost(mode, dstate, paired_at_384):
+    """``ssd.WALK_PAIRING``: at 384 blocks (6 rows of 64 heads: three rounds alone on 132 SMs,
+    two paired) the fp16 walk pairs (the H200 ran it 0.85x so), bf16's and float32's keep one
+    block an SM; all three pair at 512 and at 256, none at 128 or above their dstate."""
+    dtype = {"input": torch.bfloat16, "2xfp16": torch.float16, "3xbf16": torch.float32}[mode]
+    key = replace(anchor_key(), dstate=dstate, x_dtype=dtype, b_dtype=dtype, c_dtype=dtype,
+                  chunk_size=64, states_returned=False)
+    for batch, paired in ((2, False), (4, True), (6, paired_at_384), (8, True)):
+        assert ssd.walk_occupancy(replace(key, batch=batch), mode, 132) == \
+            (2 if paired else None), batch
+    assert ssd.walk_occupancy(replace(key, dstate=2 * dstate), mode, 132) is None
 
 
 def test_the_walk_pairing_follows_the_gpus_sm_count():
