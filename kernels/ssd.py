@@ -244,12 +244,13 @@ SCAN_OUT_PAIRED_COST = 1.68
 # final states, 0.596x at dstate 32, 0.774x at 16; with both z and D, which only a paired walk
 # takes, 0.30-0.32x the chunk 256 such calls took; lost at dstate 128 (1.11-1.16x) and at 128
 # blocks (1.085-1.095x, one round either way). float32 ('3xbf16') at dstate 32 0.819x at 512
-# blocks, 0.823x at 256, 0.821x with final states, at 16 0.893x, both z and D 0.343x chunk 256's;
-# lost at 384 blocks (1.071x: cost 1.63) and did nothing at dstate 64 (1.002x, 8 worker warps).
+# blocks, 0.823x at 256 (cost 1.64-1.65), 0.821x with final states, at 16 0.893x, both z and D
+# 0.343x chunk 256's; lost at 384 blocks (1.071x: cost 1.61) and did nothing at dstate 64
+# (1.002x, 8 worker warps).
 # Outs bit-equal paired and alone. On sm_90 with the hint 2 fp16's dstate-64 walk takes 128
 # registers, 8 bytes spilled, 70,248 bytes of shared memory; float32's dstate-32 walk 128
 # registers, no spill, 113,272 bytes; fp16's dstate-128 walk 253 registers, 95,024 bytes.
-WALK_PAIRING = {"input": (128, SCAN_OUT_PAIRED_COST), "2xfp16": (64, 1.32), "3xbf16": (32, 1.63)}
+WALK_PAIRING = {"input": (128, SCAN_OUT_PAIRED_COST), "2xfp16": (64, 1.32), "3xbf16": (32, 1.64)}
 # The mode the walk runs in for each x dtype: the dtype's default. Measured on the H200 against
 # chunk 256 and the two state kernels, which such calls took before: fp16 x (its '2xfp16'
 # default) 0.41-0.77x (first anchor 1.49 -> 1.09 ms out alone), bf16 x returning final states
@@ -741,7 +742,7 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     (row, head) pairs or more, or fewer split in ``segments`` (``walk_segments``) where
     ``walk_takes_few_pairs``, dstate up to the mode's ``walk_max_dstate`` on a GPU of compute
     ``capability`` (the state in registers), no packed sequences, not both z and D unless the
-    walk's blocks run paired (``scan_out_occupancy``), and no chunk states handed back. The
+    walk's blocks run paired (``walk_occupancy``), and no chunk states handed back. The
     state update is in the mode ``state_precision`` gives the chunk states (out alone, 'input'
     (bf16), '2xfp16' or '3xbf16'; returning final states, their float32-grade mode), or, one
     block an SM, in the one WALK_STATE_UPDATE_MODES names for it at the call's padded dstate."""
