@@ -115,8 +115,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
     # (their latency paid once), then the chunks in order. Chunks past the last are zero-padded
     # (dt 0 and a flat cumsum leave h as it is) and store nothing. Without OUT only the state
     # walks: its operands alone are read.
-    for step_of_segment in range(nsteps):
-        step = first_step + step_of_segment
+    for step in range(first_step, first_step + nsteps):
         if OUT:
             C_all = ct.load(C, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
                             padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
@@ -139,7 +138,13 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
             s_all = ct.load(scores, (batch, step, group, 0, 0),
                             shape=(1, STEP, 1, CHUNK, CHUNK), padding_mode=ZERO)
         for k in ct.static_iter(range(STEP)):
-            chunk = step * STEP + k
+            # One chunk a step: the chunk is the loop's own index, the form in which cuTile's
+            # token pass (cuda/tile/_passes/token_order.py, loop-parallel stores) lets out's
+            # stores go without waiting on each other, and no chunk passes the last (no guard).
+            if STEP == 1:
+                chunk = step
+            else:
+                chunk = step * STEP + k
             if OUT:
                 C_c = ct.extract(C_all, (k, 0), shape=(CHUNK, N_PAD))
             B_c = ct.extract(B_all, (k, 0), shape=(CHUNK, N_PAD))
@@ -171,11 +176,13 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 if HAS_Z:
                     y = silu_gated(y, ct.extract(z_all, (k, 0), shape=(CHUNK, P_BLOCK)).astype(
                         ct.float32), out)
-                if chunk < nchunks:
+            h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK, N_PAD, CHUNK)
+            # out is stored after the state update, not before it: the same operations, issued
+            # in that order (experiments/ab_walk_store_order_*.txt times both).
+            if OUT:
+                if STEP == 1 or chunk < nchunks:
                     ct.store(out, (batch, chunk, head, p_block),
                              y.reshape((1, CHUNK, 1, P_BLOCK)).astype(out.dtype))
-
-            h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK, N_PAD, CHUNK)
     ct.store(final_states, (state_row, head, p_block, 0), h.reshape((1, 1, P_BLOCK, N_PAD)))
 
 
@@ -265,7 +272,9 @@ def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutCon
               (x, B, C, scores, dt, log2_decay_cumsum,
                start_states if start_states is not None else placeholder(dev, f32, 4),
                D if D is not None else placeholder(dev, f32, 2),
-               z if z is not None else x, out, final_states,
+               # An absent z's stand-in is not x: an array aliasing x puts the loop's loads in
+               # an alias set of two, and then cuTile orders its stores one after another.
+               z if z is not None else placeholder(dev, x.dtype, 4), out, final_states,
                -(-L // cfg.chunk_size), H, H // B.shape[2], npb, segments, segment_steps,
                *cfg.constants()))
     return (out if cfg.computes_out else None), final_states
