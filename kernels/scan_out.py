@@ -22,8 +22,9 @@ the same products. Why: at chunk 64 the stored states are the largest traffic of
 inputs and out), and the walk already holds each state when compute_out needs it. The cost:
 a block's chunks run in order, so only b * H * (P / P_BLOCK) blocks run, and C, B and the scores
 are read once per head instead of once per tile. On the H200 the walk took the first anchor's
-forward from 0.566 to 0.498 ms, and to 0.419 with two blocks to an SM (the occupancy hint 2,
-``kernels.ssd.scan_out_occupancy``), and lost where 64 pairs leave SMs idle (kernels/ssd.py, at
+forward from 0.566 to 0.498 ms, to 0.419 with two blocks to an SM (the occupancy hint 2,
+``kernels.ssd.scan_out_occupancy``) and to 0.376 storing each chunk's out after its state update
+(ce6a7f8, the bench's anchors), and lost where 64 pairs leave SMs idle (kernels/ssd.py, at
 SCAN_OUT_MIN_ROW_HEADS, has the figures and what the dispatcher picks).
 
 ``state_precision``: the mode of the state update's MMA apart from the output's, so that a
@@ -177,8 +178,12 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     y = silu_gated(y, ct.extract(z_all, (k, 0), shape=(CHUNK, P_BLOCK)).astype(
                         ct.float32), out)
             h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK, N_PAD, CHUNK)
-            # out is stored after the state update, not before it: the same operations, issued
-            # in that order (experiments/ab_walk_store_order_*.txt times both).
+            # out is stored after the state update, not before it: the same operations and
+            # results, on the H200 0.857-0.952x the time at 7 of 9 shapes (the first anchor
+            # 0.406 -> 0.371 ms), 0.997x at the third, 1.094x at float32 dstate 32 paired
+            # (experiments/ab_walk_store_order_ce6a7f8.txt). A copy with no load in the loop
+            # took 0.139 ms at the first anchor, its loads and stores alone 0.284: the walk waits
+            # on its step loads (experiments/walk_probe_9679d8d.txt).
             if OUT:
                 if STEP == 1 or chunk < nchunks:
                     ct.store(out, (batch, chunk, head, p_block),
