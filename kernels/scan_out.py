@@ -143,7 +143,8 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
             # branch cost one block an SM 14% at the second anchor, 7% in fp16: 'mid' in
             # experiments/ab_walk_store_order_ce6a7f8.txt), and the chunk is the loop's own
             # index, the form in which cuTile's token pass (cuda/tile/_passes/token_order.py,
-            # loop-parallel stores) lets the stores go without waiting on each other.
+            # loop-parallel stores) lets the stores go without waiting on each other (not in the
+            # int64 variant, whose index is the loop's converted; tests/test_compile.py checks).
             if STEP == 1:
                 chunk = step
             else:

@@ -476,18 +476,34 @@ def kernel_resources(cubin: bytes) -> tuple[int, int, int]:
     return found.get(_REGCOUNT, 0), found.get(_FRAME_SIZE, 0), shared
 
 
+def _write_bytecode(variant: Variant, directory: str) -> str:
+    """The variant's target-independent Tile IR bytecode, written under ``directory``: its
+    path."""
+    bytecode = io.BytesIO()
+    export_kernel(variant.config.kernel, [variant.signature], bytecode,
+                  output_format="tileir_bytecode")
+    source = os.path.join(directory, "kernel.tilebc")
+    with open(source, "wb") as f:
+        f.write(bytecode.getvalue())
+    return source
+
+
+def tile_ir(variant: Variant) -> str:
+    """The variant's Tile IR as text (the tileiras wheel's tileirdisasm): what cuTile's front end
+    hands tileiras, its memory-ordering tokens included."""
+    with tempfile.TemporaryDirectory() as tmp:
+        disasm = os.path.join(os.path.dirname(tileiras_path()), "tileirdisasm")
+        return subprocess.run([disasm, _write_bytecode(variant, tmp)], capture_output=True,
+                              text=True, timeout=120, env=tileiras_env(), check=True).stdout
+
+
 def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -> CompileResult:
     """Compile one variant for one target; never raises (the result says what went wrong)."""
     start = time.perf_counter()
     result = CompileResult(variant.name, target, ok=False, seconds=0.0)
     try:
-        bytecode = io.BytesIO()
-        export_kernel(variant.config.kernel, [variant.signature], bytecode,
-                      output_format="tileir_bytecode")
         with tempfile.TemporaryDirectory() as tmp:
-            source = os.path.join(tmp, "kernel.tilebc")
-            with open(source, "wb") as f:
-                f.write(bytecode.getvalue())
+            source = _write_bytecode(variant, tmp)
             stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", variant.name).strip("-")
             cubin = os.path.join(out_dir or tmp, f"{stem}.{target}.cubin")
             command = [tileiras_path(), source, "--gpu-name", target, *TILEIRAS_FLAGS, "-o", cubin]

@@ -10,6 +10,7 @@ see kernels/variants.py.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from kernels import ssd
 from kernels.tile_ops import CT_DTYPE
 from kernels.variants import (COVERING_KEYS, MMA_KERNELS, TARGETS, compile_all, compile_variant,
-                              covering_variants, recorded_launches, target_capability,
+                              covering_variants, recorded_launches, target_capability, tile_ir,
                               violations)
 from kernels.gpu_report import ANCHORS
 from properties.problems import ProblemSpec, build_problem
@@ -269,3 +270,29 @@ def test_anchor_shapes_pick_compiled_variants():
                              x_dtype=bf16, b_dtype=bf16, c_dtype=bf16)
         missing = set(ssd.make_plan(key).configs()) - covered
         assert not missing, [c.describe() for c in missing]
+
+
+def _loops_carrying_tokens(ir: str) -> list[str]:
+    """The loops of a Tile IR text that carry a memory token from one iteration to the next:
+    cuTile orders the memory operations of successive iterations through it
+    (cuda/tile/_passes/token_order.py)."""
+    return [line for line in ir.splitlines()
+            if re.search(r"\b(for|loop) ", line) and "iter_values" in line
+            and "token" in line.split("->")[-1]]
+
+
+def test_the_walk_does_not_order_its_steps_out_stores():
+    """One chunk a step, the walk's out stores are loop-parallel (kernels/scan_out.py: indexed by
+    the loop's own index, without the chunk guard, whose branch cost one block an SM 14% at the
+    second anchor): no loop of a 32-bit-indexed walk carries a memory token. (The int64 variants
+    index by the loop index converted, and their step loop carries one.) Two chunks a step keep
+    the guard, and there the step loop carries one too (so the check can fail)."""
+    walks = [v for v in VARIANTS
+             if v.kernel == "scan_out" and v.config.computes_out and not v.config.wide]
+    assert len(walks) >= 20, len(walks)
+    for variant in walks:
+        assert variant.config.chunks_per_step == 1, variant.name
+        assert not _loops_carrying_tokens(tile_ir(variant)), variant.name
+    two_chunks = replace(walks[0].config, chunks_per_step=2)
+    assert _loops_carrying_tokens(tile_ir(replace(walks[0], config=two_chunks,
+                                                  signature=two_chunks.signature())))
