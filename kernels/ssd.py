@@ -273,8 +273,9 @@ WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16", torch.float32: "
 # most the H200 A/Bs below timed) whose blocks fit one round on the SMs, one block an SM, each
 # of WALK_SEGMENT_MIN_CHUNKS chunks or more; the
 # walk takes the call where its pairs times its segments reach WALK_MIN_SPLIT_ROW_HEADS
-# (``walk_takes_few_pairs``), and its states-only walk takes each segment in the fewest parts
-# (a power of two) that give it as many blocks (``segment_split``). Measured on the H200 against
+# (``walk_takes_few_pairs``), and its states-only walk takes each segment in the most parts (a
+# power of two) whose blocks fit one round two to an SM (``segment_split``; one an SM at dstate
+# 256, where the walk does not pair). Measured on the H200 against
 # main's path (experiments/ab_segments_16780b5.txt, ab_segments2_16780b5.txt,
 # ab_prepass_dacde8e.txt): one round alone was the fastest split at every bf16 shape (64 pairs
 # in 2 segments 0.857x chunk 256 with final states against 0.952x in 4, one paired round); 96
@@ -284,8 +285,14 @@ WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16", torch.float32: "
 # one part) into a win at 8 of 9 shapes of 16,384 to 131,072 tokens (0.831-0.969x in two parts;
 # the third anchor 0.867x; lost: 2 x 32 heads in 8 groups, 1.03-1.04x), and with final states
 # 0.708-0.771x; 48 pairs in two parts 0.955x out alone, 0.905x with final states, where in one
-# part they lost (1.09-1.10x). More parts than the rule's: out alone 0.2-6% slower, with final
-# states 0.1% slower to 3.8% faster (64 and 48 pairs in four, 32 pairs in two). Lost: sequences
+# part they lost (1.09-1.10x). Then more parts than the fewest with 96 blocks, the rule until
+# this note's commit, did not pay (out alone 0.2-6% slower, with final states 0.1% slower to
+# 3.8% faster: 64 and 48 pairs in four, 32 pairs in two); at adb1575 the most parts that fill
+# a paired round took 0.930-0.976x the time at 9 of 11 shapes (the third anchor 1.139 -> 1.093
+# ms, 0.960x, with final states 0.975x; 16,384 tokens 0.969x; 2 x 32 heads in 8 groups 0.963x;
+# dstate 64 0.961x; 48 pairs out alone 0.976x; 32 pairs in four segments 0.930x and 0.957x, 16
+# in eight 0.953x), 48 pairs with final states 1.000x, 8 pairs in sixteen segments 1.005x, outs
+# and final states equal bit for bit (experiments/ab_segment_split_adb1575.txt). Lost: sequences
 # of 128 chunks (8,192 tokens, segments of 64: out alone 1.05-1.09x), segments of 32 chunks
 # (1.04-1.09x), fewer than 96 blocks (8 pairs in 4 segments 2.2x), and fp16's walk ('2xfp16',
 # one block an SM: 0.96-1.03x), which keeps SCAN_OUT_MIN_ROW_HEADS.
@@ -690,13 +697,17 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     return segments
 
 
-def segment_split(key: ProblemKey, segments: int) -> int:
-    """The parts each of the first ``segments - 1`` segments' states-only walk takes: the fewest
-    (a power of two) with WALK_MIN_SPLIT_ROW_HEADS pairs times parts, as the walk has; 1
-    unsplit."""
+def segment_split(key: ProblemKey, segments: int, sms: int) -> int:
+    """The parts each of the first ``segments - 1`` segments' states-only walk takes: the most
+    (a power of two) whose blocks fit one round on ``sms`` SMs, two blocks an SM up to the
+    dstate at which bf16's walk pairs (WALK_PAIRING), else one; 1 unsplit."""
+    if segments == 1:
+        return 1
+    max_dstate, _ = WALK_PAIRING["input"]
+    slots = sms * (2 if next_pow2(key.dstate) <= max_dstate else 1)
+    blocks = walk_blocks(key) * (segments - 1)
     split = 1
-    while (segments > 1
-           and key.batch * key.nheads * (segments - 1) * split < WALK_MIN_SPLIT_ROW_HEADS):
+    while blocks * split * 2 <= slots:
         split *= 2
     return split
 
@@ -855,7 +866,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
     walk = segment_states = entering = None
     walk_states_mode, occupancy, segments = walk_dispatch(key, mode, states_mode, sms,
                                                           capability)
-    parts = segment_split(key, segments)
+    parts = segment_split(key, segments, sms)
     if walk_states_mode is not None:
         # Split, every segment starts from a float32 state (the first from the call's own).
         split = segments > 1

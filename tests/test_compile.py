@@ -117,7 +117,7 @@ LAUNCH_SPECS = (
                 x_dtype="fp16", bc_dtype="bf16", param_dtype="bf16", cu_seqlens=(0, 64, 129),
                 pass_seq_idx=False, return_varlen_states=True),
     # The walk of kernels/scan_out.py in two segments (257 chunks of 48 heads,
-    # ssd.walk_segments): the end states of the first segment's two parts (ssd.segment_split),
+    # ssd.walk_segments): the end states of the first segment's four parts (ssd.segment_split),
     # then the walk from the segments' entering states.
     ProblemSpec(batch=1, seqlen=16400, nheads=48, headdim=64, dstate=128, chunk_size=64,
                 x_dtype="bf16", bc_dtype="bf16", D="channel", initial_states=True),

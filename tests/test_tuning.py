@@ -168,9 +168,10 @@ def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
 def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     """The third anchor's 64 pairs (1024 chunks at chunk 64), with final states or out alone:
     two segments, 128 blocks, one round on 132 SMs, one block an SM; first the states-only walk
-    of the first segment in two parts (128 blocks, no out, no scores, from zero), then the walk
-    of both from float32 entering states. 32 pairs split in four, their first three segments
-    whole. No split below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs times segments stay
+    of the first segment in four parts (256 blocks, one round two to an SM; no out, no scores,
+    from zero), then the walk of both from float32 entering states. 32 pairs split in four,
+    their first three segments in two parts; at dstate 256, where the walk does not pair, the
+    parts fill one block an SM. No split below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs times segments stay
     under WALK_MIN_SPLIT_ROW_HEADS (segments shorter than WALK_SEGMENT_MIN_CHUNKS cap them), nor
     for fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
     key = replace(anchor_key(), batch=1, seqlen=65536, chunk_size=64)
@@ -178,12 +179,12 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
                                                 return_final_states=True)) == 64
     plan = ssd.make_plan(key)
     assert plan.walk_segments == ssd.walk_segments(key, ssd.REFERENCE_SM_COUNT) == 2
-    assert plan.segment_split == ssd.segment_split(key, 2) == 2
+    assert plan.segment_split == ssd.segment_split(key, 2, ssd.REFERENCE_SM_COUNT) == 4
     assert [name for name, _ in plan.named_configs()] == [
         "chunk_cumsum", "segment_states", "entering_states", "chunk_scores", "scan_out"]
     ends, walk = plan.segment_states, plan.scan_out
     assert (ends.computes_out, ends.segmented, ends.has_start, ends.shared_scores,
-            ends.occupancy) == (False, True, False, False, None)
+            ends.occupancy) == (False, True, False, False, 2)
     assert (walk.computes_out, walk.segmented, walk.has_start, walk.start_dtype,
             walk.occupancy, walk.state_precision) == (True, True, True, torch.float32, None,
                                                       "3xbf16")
@@ -195,14 +196,16 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     out_alone = replace(key, states_returned=False)
     assert ssd.default_chunk_size(_meta_problem(replace(out_alone, chunk_size=256))) == 64
     split_out_alone = ssd.make_plan(out_alone)                          # not the fused scan
-    assert (split_out_alone.walk_segments, split_out_alone.segment_split) == (2, 2)
+    assert (split_out_alone.walk_segments, split_out_alone.segment_split) == (2, 4)
     assert [name for name, _ in split_out_alone.named_configs()] == [
         "chunk_cumsum", "segment_states", "entering_states", "chunk_scores", "scan_out"]
     quarter = ssd.make_plan(replace(out_alone, nheads=32))
-    assert (quarter.walk_segments, quarter.segment_split) == (4, 1)     # 96 pairs of parts
-    assert ssd.segment_split(replace(key, nheads=48), 2) == 2
-    assert ssd.segment_split(replace(key, nheads=16), 8) == 1
-    assert ssd.segment_split(replace(key, nheads=16), 1) == 1
+    assert (quarter.walk_segments, quarter.segment_split) == (4, 2)     # 192 blocks of parts
+    assert ssd.segment_split(replace(key, nheads=48), 2, 132) == 4       # 192 blocks
+    assert ssd.segment_split(replace(key, nheads=48, dstate=256), 2, 132) == 2  # one an SM
+    assert ssd.segment_split(replace(key, nheads=16), 8, 132) == 2       # 224 blocks
+    assert ssd.segment_split(key, 2, 64) == 2
+    assert ssd.segment_split(replace(key, nheads=16), 1, 132) == 1
     assert ssd.walk_segments(replace(key, nheads=16), 132) == 8          # 16 blocks
     assert ssd.walk_segments(replace(key, nheads=2), 132) == ssd.WALK_MAX_SEGMENTS == 16
     assert ssd.walk_segments(replace(key, batch=2), 132) == 1            # 128 pairs
