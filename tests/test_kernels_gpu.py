@@ -527,7 +527,8 @@ def test_the_fp16_walk_one_block_an_sm_at_dstate_64_passes_the_rule():
 @requires_gpu
 @pytest.mark.parametrize("D, z, final_states, dstate, batch", [
     (None, False, False, 128, 1), ("channel", False, True, 128, 1), (None, True, True, 128, 1),
-    ("head", False, False, 128, 1), ("channel", False, True, 256, 1), ("head", False, True, 128, 2)])
+    ("head", False, False, 128, 1), ("channel", False, True, 256, 1),
+    ("head", False, True, 128, 2)])
 def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unsplit_walk(
         D, z, final_states, dstate, batch):
     """48 (row, head) pairs over 257 chunks, bf16, one row of 48 heads or two of 24: the walk

@@ -171,9 +171,9 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     of the first segment in four parts (256 blocks, one round two to an SM; no out, no scores,
     from zero), then the walk of both from float32 entering states. 32 pairs split in four,
     their first three segments in two parts; at dstate 256, where the walk does not pair, the
-    parts fill one block an SM. No split below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs times segments stay
-    under WALK_MIN_SPLIT_ROW_HEADS (segments shorter than WALK_SEGMENT_MIN_CHUNKS cap them), nor
-    for fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
+    parts fill one block an SM. No split below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs
+    times segments stay under WALK_MIN_SPLIT_ROW_HEADS (segments shorter than
+    WALK_SEGMENT_MIN_CHUNKS cap them), nor for fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
     key = replace(anchor_key(), batch=1, seqlen=65536, chunk_size=64)
     assert ssd.default_chunk_size(_meta_problem(replace(key, chunk_size=256),
                                                 return_final_states=True)) == 64
