@@ -286,7 +286,7 @@ WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16", torch.float32: "
 # the third anchor 0.867x; lost: 2 x 32 heads in 8 groups, 1.03-1.04x), and with final states
 # 0.708-0.771x; 48 pairs in two parts 0.955x out alone, 0.905x with final states, where in one
 # part they lost (1.09-1.10x). Then more parts than the fewest with 96 blocks, the rule until
-# this note's commit, did not pay (out alone 0.2-6% slower, with final states 0.1% slower to
+# 609d542, did not pay (out alone 0.2-6% slower, with final states 0.1% slower to
 # 3.8% faster: 64 and 48 pairs in four, 32 pairs in two); at adb1575 the most parts that fill
 # a paired round took 0.930-0.976x the time at 9 of 11 shapes (the third anchor 1.139 -> 1.093
 # ms, 0.960x, with final states 0.975x; 16,384 tokens 0.969x; 2 x 32 heads in 8 groups 0.963x;
