@@ -49,11 +49,12 @@ carries its state across chunks; then the walk runs each segment from its enteri
 states-only walk may take each segment in parts (``kernels.ssd.Plan.segment_split``: more
 blocks, shorter walks), whose end states carry the same way. The cost: x and B read once more
 for all but the last segment, and the segments' float32 states (a few MB). On sm_90 as
-dispatched at one row of 65,536 tokens (64 heads with final states; 32 heads out alone from
-initial states): the states-only walk in parts two to an SM (since 609d542; before, one an SM,
-255 registers), 128 registers, no spill, 43,608 / 114,920 bytes of shared memory; the walk
-from entering states one an SM, 168 registers, no spill / 48 bytes spilled, 218,656 / 228,936
-bytes (at 609d542).
+dispatched at one row of 65,536 tokens: 64 heads with final states, the states-only walk in
+four parts two to an SM (since 609d542; before, one an SM, 255 registers), 128 registers, no
+spill, 43,608 bytes of shared memory, the walk from entering states one an SM, 168 registers, no
+spill, 218,656 bytes; 32 heads out alone from initial states, in eight segments, both two to an
+SM: the states-only walk 128 registers, no spill, 114,920 bytes, the walk 128 registers, 16 bytes
+spilled, 101,040 bytes.
 Unsplit (``segmented`` False) it compiles to the machine code it had before the knob.
 """
 from __future__ import annotations

@@ -300,6 +300,13 @@ WALK_SPLIT_MIN_CHUNKS = 256
 WALK_SEGMENT_MIN_CHUNKS = 64
 WALK_MAX_SEGMENTS = 16
 WALK_MIN_SPLIT_ROW_HEADS = 96
+# From four segments of one round alone, twice as many, paired (``walk_segments``): each
+# doubling adds 1 / (2 x segments) of the sequence to the states-only walk and takes the walk
+# of out to one paired round of half the steps. On the H200 at adb1575, against the most
+# segments of one round alone (their parts by segment_split; experiments/ab_segment_split_
+# adb1575.txt): 32 pairs in eight 0.941x out alone and 0.966x with final states, 16 in sixteen
+# 0.954x; from two (64 pairs in four) out alone 0.992x, with final states 1.034x.
+WALK_PAIRED_SEGMENTS_FROM = 4
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
 REFERENCE_SM_COUNT = 132
@@ -686,13 +693,23 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     """The segments the walk splits each sequence into: 1 from SCAN_OUT_MIN_ROW_HEADS pairs or
     below WALK_SPLIT_MIN_CHUNKS chunks, else the most (a power of two, up to WALK_MAX_SEGMENTS)
     whose blocks fit one round on ``sms`` SMs, one block an SM, with WALK_SEGMENT_MIN_CHUNKS
-    chunks or more each."""
+    chunks or more each; from WALK_PAIRED_SEGMENTS_FROM such segments, where the walk takes them
+    (pairs times segments reach WALK_MIN_SPLIT_ROW_HEADS) and bf16's walk pairs at the call's
+    dstate (WALK_PAIRING), twice as many, in one round two to an SM, where they are as long."""
     if (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
             or key.nchunks < WALK_SPLIT_MIN_CHUNKS):
         return 1
+
+    def fits(segments: int, per_sm: int) -> bool:
+        return (segments < WALK_MAX_SEGMENTS and walk_blocks(key) * segments * 2 <= per_sm * sms
+                and key.nchunks >= 2 * segments * WALK_SEGMENT_MIN_CHUNKS)
+
     segments = 1
-    while (segments < WALK_MAX_SEGMENTS and walk_blocks(key) * segments * 2 <= sms
-           and key.nchunks >= 2 * segments * WALK_SEGMENT_MIN_CHUNKS):
+    while fits(segments, 1):
+        segments *= 2
+    if (segments >= WALK_PAIRED_SEGMENTS_FROM and fits(segments, 2)
+            and key.batch * key.nheads * segments >= WALK_MIN_SPLIT_ROW_HEADS
+            and next_pow2(key.dstate) <= WALK_PAIRING["input"][0]):
         segments *= 2
     return segments
 

@@ -569,6 +569,44 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
 
 @pytest.mark.gpu
 @requires_gpu
+def test_the_walk_in_twice_the_segments_paired_passes_the_rule_and_agrees_with_half_as_many():
+    """16 (row, head) pairs over 1,025 chunks, bf16, z and D per channel, from initial states,
+    returning final states: the walk in sixteen segments, two blocks an SM (eight fill one
+    round alone: ``ssd.walk_segments`` doubles them), its states-only walk whole
+    (``ssd.segment_split``), held to the rule against float64; and its out and final states
+    within a few units of bf16 and 1e-5 of the same call in eight segments, one block an SM."""
+    from dataclasses import replace as changed
+
+    from kernels import ssd
+    from kernels.gpu_check import check_problem
+    spec = ProblemSpec(batch=1, seqlen=65600, nheads=16, headdim=64, dstate=128, ngroups=1,
+                       chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D="channel", z=True,
+                       initial_states=True, return_final_states=True)
+    problem = build_problem(spec, "cuda")
+    pipeline = ssd.stage_pipeline(problem, states_returned=True)
+    plan = pipeline.plan
+    assert (plan.walk_segments, plan.segment_split) == (16, 1)
+    assert plan.scan_out.occupancy == plan.segment_states.occupancy == 2
+    record = check_problem(problem, with_mamba=False)
+    assert not record["violations"], record["violations"]
+    key = ssd.ProblemKey.from_problem(problem, False, False, states_returned=True)
+    sms = torch.cuda.get_device_properties(problem.x.device).multi_processor_count
+    parts = ssd.segment_split(key, 8, sms)
+    halved = changed(pipeline, plan=changed(
+        plan, walk_segments=8, segment_split=parts,
+        scan_out=changed(plan.scan_out, occupancy=ssd.walk_occupancy(key, "input", sms, 8)),
+        segment_states=changed(plan.segment_states, occupancy=ssd.walk_occupancy(
+            key, "input", sms, 7 * parts))))
+    assert halved.plan.scan_out.occupancy is None
+    (out, final), (halved_out, halved_final) = (p.walk(*p.cumsum()) for p in (pipeline, halved))
+    eps = torch.finfo(problem.x.dtype).eps
+    assert float((halved_out.float() - out.float()).abs().max()) <= 4 * eps * float(
+        out.float().abs().max())
+    assert float((halved_final - final).norm() / final.norm()) < 1e-5
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("parts", [1, 2])
 def test_the_states_only_walk_in_parts_gives_the_split_walk_its_entering_states(parts):
     """The split walk's states-only walk in 1 and 2 parts a segment against the 4 the dispatch

@@ -169,9 +169,10 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     """The third anchor's 64 pairs (1024 chunks at chunk 64), with final states or out alone:
     two segments, 128 blocks, one round on 132 SMs, one block an SM; first the states-only walk
     of the first segment in four parts (256 blocks, one round two to an SM; no out, no scores,
-    from zero), then the walk of both from float32 entering states. 32 pairs split in four,
-    their first three segments in two parts; at dstate 256, where the walk does not pair, the
-    parts fill one block an SM. No split below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs
+    from zero), then the walk of both from float32 entering states. 32 pairs split in eight
+    (four fill one round alone; from four, twice as many run paired), their first seven segments
+    whole; at dstate 256, where the walk does not pair, four segments, and the parts fill one
+    block an SM. No split below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs
     times segments stay under WALK_MIN_SPLIT_ROW_HEADS (segments shorter than
     WALK_SEGMENT_MIN_CHUNKS cap them), nor for fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
     key = replace(anchor_key(), batch=1, seqlen=65536, chunk_size=64)
@@ -200,13 +201,18 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     assert [name for name, _ in split_out_alone.named_configs()] == [
         "chunk_cumsum", "segment_states", "entering_states", "chunk_scores", "scan_out"]
     quarter = ssd.make_plan(replace(out_alone, nheads=32))
-    assert (quarter.walk_segments, quarter.segment_split) == (4, 2)     # 192 blocks of parts
+    assert (quarter.walk_segments, quarter.segment_split) == (8, 1)     # 224 blocks of parts
+    assert quarter.scan_out.occupancy == quarter.segment_states.occupancy == 2
+    assert ssd.walk_segments(replace(out_alone, nheads=32, dstate=256), 132) == 4   # no pairs
+    assert ssd.walk_segments(replace(out_alone, nheads=32, seqlen=32768 - 64), 132) == 4
     assert ssd.segment_split(replace(key, nheads=48), 2, 132) == 4       # 192 blocks
     assert ssd.segment_split(replace(key, nheads=48, dstate=256), 2, 132) == 2  # one an SM
     assert ssd.segment_split(replace(key, nheads=16), 8, 132) == 2       # 224 blocks
     assert ssd.segment_split(key, 2, 64) == 2
     assert ssd.segment_split(replace(key, nheads=16), 1, 132) == 1
-    assert ssd.walk_segments(replace(key, nheads=16), 132) == 8          # 16 blocks
+    assert ssd.walk_segments(replace(key, nheads=16), 132) == 16         # 8 alone, paired
+    assert ssd.walk_segments(replace(key, nheads=16), 264) == 16         # 16 alone
+    assert ssd.walk_segments(replace(key, nheads=12), 132) == 16         # 96 pairs of 8
     assert ssd.walk_segments(replace(key, nheads=2), 132) == ssd.WALK_MAX_SEGMENTS == 16
     assert ssd.walk_segments(replace(key, batch=2), 132) == 1            # 128 pairs
     assert ssd.walk_segments(replace(key, nheads=96), 132) == 1          # 192 blocks in 2
