@@ -304,8 +304,9 @@ WALK_MIN_SPLIT_ROW_HEADS = 96
 # doubling adds 1 / (2 x segments) of the sequence to the states-only walk and takes the walk
 # of out to one paired round of half the steps. On the H200 at adb1575, against the most
 # segments of one round alone (their parts by segment_split; experiments/ab_segment_split_
-# adb1575.txt): 32 pairs in eight 0.941x out alone and 0.966x with final states, 16 in sixteen
-# 0.954x; from two (64 pairs in four) out alone 0.992x, with final states 1.034x.
+# adb1575.txt): 32 pairs in eight 0.940x out alone and 0.966x with final states, 16 in sixteen
+# 0.954x; from two (64 pairs in four; ab_split_adb1575.txt) out alone 0.995x, with final
+# states 1.036x.
 WALK_PAIRED_SEGMENTS_FROM = 4
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
