@@ -185,7 +185,9 @@ STATE_SCAN_MIN_BLOCKS = 128
 # scores are its own at dstate 64, where it was 0.366 ms against 0.422 reading the shared ones
 # (default 0.503). Two chunks a step with 8 worker warps (0.523 ms at the first anchor),
 # 32-channel blocks (0.97) and own scores at dstate 128 (0.62) lost
-# (experiments/ab_scan_out_1a72178.txt, ab_scan_out_shapes_1a72178.txt).
+# (experiments/ab_scan_out_1a72178.txt, ab_scan_out_shapes_1a72178.txt); own scores above
+# dstate 64 lost again at 6a2f034, 1.008-1.228x at six shapes (the first anchor 1.182x;
+# experiments/ab_own_scores_6a2f034.txt).
 SCAN_OUT_MIN_ROW_HEADS = 128
 SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
 # dstate 256 walks in 'input' (bf16) only, one block an SM. On the H200 against the fused scan
@@ -302,11 +304,13 @@ WALK_MAX_SEGMENTS = 16
 WALK_MIN_SPLIT_ROW_HEADS = 96
 # From four segments of one round alone, twice as many, paired (``walk_segments``): each
 # doubling adds 1 / (2 x segments) of the sequence to the states-only walk and takes the walk
-# of out to one paired round of half the steps. On the H200 at adb1575, against the most
-# segments of one round alone (their parts by segment_split; experiments/ab_segment_split_
-# adb1575.txt): 32 pairs in eight 0.940x out alone and 0.966x with final states, 16 in sixteen
-# 0.954x; from two (64 pairs in four; ab_split_adb1575.txt) out alone 0.995x, with final
-# states 1.036x.
+# of out to one paired round of half the steps. On the H200 at 6a2f034, against the most
+# segments of one round alone, both with segment_split's parts (experiments/ab_double_6a2f034
+# .txt): 0.807-0.979x the time at all 9 shapes it doubles (32 pairs over 65,536 tokens 0.939x
+# out alone, 0.966x with final states; over 32,768 and 131,072 0.936x; 16 pairs with final
+# states 0.979x; 32 heads in 8 groups 0.807x), outs and final states equal bit for bit. From
+# two segments (the third anchor's 64 pairs) four paired took 1.032x there (0.995x / 1.036x out
+# alone / with final states at adb1575, ab_split_adb1575.txt).
 WALK_PAIRED_SEGMENTS_FROM = 4
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
