@@ -80,7 +80,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
                     SHARED_SCORES: ct.Constant[bool], STEP: ct.Constant[int],
                     STATE_MODE: ct.Constant[int], SEGMENTED: ct.Constant[bool],
-                    OUT: ct.Constant[bool]):
+                    OUT: ct.Constant[bool], UPDATE_EARLY: ct.Constant[int]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -125,7 +125,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                             padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
         B_all = ct.load(B, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
                         padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
-        if OUT:
+        if OUT and UPDATE_EARLY < 2:
             x_all = ct.load(x, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
                             padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
         if X_COLS_LOADED:
@@ -141,6 +141,9 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         if SHARED_SCORES and OUT:
             s_all = ct.load(scores, (batch, step, group, 0, 0),
                             shape=(1, STEP, 1, CHUNK, CHUNK), padding_mode=ZERO)
+        if OUT and UPDATE_EARLY == 2:
+            x_all = ct.load(x, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
+                            padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
         for k in ct.static_iter(range(STEP)):
             # One chunk a step: no chunk passes the last, so out's store needs no guard (its
             # branch cost one block an SM 14% at the second anchor, 7% in fp16: 'mid' in
@@ -174,6 +177,9 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 # The chunk's output: the entering state's term, then the chunk's own positions.
                 y = precise_mma(C_c, h.transpose(), ct.zeros((CHUNK, P_BLOCK), dtype=ct.float32),
                                 MODE, x.dtype) * exp2_nonpos(hi + lo)[:, None]
+                if UPDATE_EARLY > 0:
+                    h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK,
+                                   N_PAD, CHUNK)
                 exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :],
                                               lo[None, :])
                 weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
@@ -183,7 +189,9 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 if HAS_Z:
                     y = silu_gated(y, ct.extract(z_all, (k, 0), shape=(CHUNK, P_BLOCK)).astype(
                         ct.float32), out)
-            h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK, N_PAD, CHUNK)
+            if not (OUT and UPDATE_EARLY > 0):
+                h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK, N_PAD,
+                               CHUNK)
             # out is stored after the state update, not before it: the same operations and
             # results, on the H200 0.857-0.952x the time at 7 of 9 shapes (the first anchor
             # 0.406 -> 0.371 ms), 0.997x at the third, 1.094x at float32 dstate 32 paired
@@ -228,11 +236,12 @@ class ScanOutConfig(KernelVariant):
     # the state through them (``segment_end_states``).
     segmented: bool = False
     computes_out: bool = True
+    update_early: int = 0
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,
                 self.has_d, self.has_z, self.shared_scores, self.chunks_per_step,
-                MODE[self.state_precision], self.segmented, self.computes_out)
+                MODE[self.state_precision], self.segmented, self.computes_out, self.update_early)
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""
