@@ -80,7 +80,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
                     SHARED_SCORES: ct.Constant[bool], STEP: ct.Constant[int],
                     STATE_MODE: ct.Constant[int], SEGMENTED: ct.Constant[bool],
-                    OUT: ct.Constant[bool], UPDATE_EARLY: ct.Constant[int]):
+                    OUT: ct.Constant[bool], UPDATE_EARLY: ct.Constant[bool]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -125,7 +125,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                             padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
         B_all = ct.load(B, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
                         padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
-        if OUT and UPDATE_EARLY < 2:
+        if OUT and not UPDATE_EARLY:
             x_all = ct.load(x, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
                             padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
         if X_COLS_LOADED:
@@ -141,7 +141,10 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         if SHARED_SCORES and OUT:
             s_all = ct.load(scores, (batch, step, group, 0, 0),
                             shape=(1, STEP, 1, CHUNK, CHUNK), padding_mode=ZERO)
-        if OUT and UPDATE_EARLY == 2:
+        # UPDATE_EARLY: x's load last. On sm_90 the compiler's producer warp issues a step's loads
+        # in this order, each behind the release of its buffer by the step before; x's is
+        # released last (the chunk's own term), so the loads ahead of it go early.
+        if OUT and UPDATE_EARLY:
             x_all = ct.load(x, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
                             padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
         for k in ct.static_iter(range(STEP)):
@@ -177,7 +180,9 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 # The chunk's output: the entering state's term, then the chunk's own positions.
                 y = precise_mma(C_c, h.transpose(), ct.zeros((CHUNK, P_BLOCK), dtype=ct.float32),
                                 MODE, x.dtype) * exp2_nonpos(hi + lo)[:, None]
-                if UPDATE_EARLY > 0:
+                # UPDATE_EARLY: the state update right after its last read of h, which releases
+                # B (and with it the next step's loads that wait on B) mid-step, not at its end.
+                if UPDATE_EARLY:
                     h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK,
                                    N_PAD, CHUNK)
                 exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :],
@@ -189,7 +194,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 if HAS_Z:
                     y = silu_gated(y, ct.extract(z_all, (k, 0), shape=(CHUNK, P_BLOCK)).astype(
                         ct.float32), out)
-            if not (OUT and UPDATE_EARLY > 0):
+            if not (OUT and UPDATE_EARLY):
                 h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK, N_PAD,
                                CHUNK)
             # out is stored after the state update, not before it: the same operations and
@@ -236,7 +241,9 @@ class ScanOutConfig(KernelVariant):
     # the state through them (``segment_end_states``).
     segmented: bool = False
     computes_out: bool = True
-    update_early: int = 0
+    # The walk of out updates the state right after the entering state's term and loads x last
+    # (``kernels.ssd.walk_updates_early``): the same operations, in another order.
+    update_early: bool = False
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,

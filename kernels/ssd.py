@@ -734,6 +734,23 @@ def segment_split(key: ProblemKey, segments: int, sms: int) -> int:
     return split
 
 
+# The walk's early state update (x loaded last), where it won on the H200 at d3276e1, outs and
+# final states equal bit for bit (experiments/ab_update_early_d3276e1.txt, second round
+# ab_update_early2_d3276e1.txt): split walks 0.929-0.938x the time at eight paired shapes (32
+# pairs over 32,768-131,072 tokens, 16 and 12 pairs, dstate 64, final states), 0.970x with z and
+# D per channel, 1.000x at the third anchor's two segments, 0.998x in 8 groups; unsplit with
+# final states 0.867x at the second anchor, 0.967-0.977x at four paired shapes, dstate 64 1.003x.
+# Not taken: out alone unsplit (the first anchor 0.994x, headdim 128 0.994x, the second 1.001x,
+# dstate 64 1.009x, fp16 1.003x, float32 1.017x) and z with D unsplit (1.028x, with final
+# states too).
+def walk_updates_early(key: ProblemKey, mode: str, state_mode: str, segments: int) -> bool:
+    """Whether the walk of out updates its state right after the entering state's term and loads
+    x last (``ScanOutConfig.update_early``): in 'input' (bf16), split into ``segments`` or with
+    its state update in a finer mode than out's (final states returned) but not both z and D."""
+    return mode == "input" and (segments > 1 or (
+        state_mode != mode and not (key.has_d and key.z_dtype is not None)))
+
+
 def walk_takes_few_pairs(key: ProblemKey, mode: str, segments: int) -> bool:
     """Whether the walk takes a call of fewer than SCAN_OUT_MIN_ROW_HEADS (row, head) pairs in
     ``segments`` segments: in 'input' (bf16 x), with WALK_MIN_SPLIT_ROW_HEADS pairs times
@@ -902,12 +919,14 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              shared_scores=(shares_scores(key)
                                             and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE),
                              wide=wide, occupancy=occupancy, segmented=split,
-                             worker_warps=walk_worker_warps(mode, n_pad))
+                             worker_warps=walk_worker_warps(mode, n_pad),
+                             update_early=walk_updates_early(key, mode, walk_states_mode,
+                                                             segments))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
                 walk, start_dtype=f32, has_start=False, has_d=False, has_z=False,
-                shared_scores=False, computes_out=False,
+                shared_scores=False, computes_out=False, update_early=False,
                 occupancy=walk_occupancy(key, mode, sms, (segments - 1) * parts))
             entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
                                             p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,

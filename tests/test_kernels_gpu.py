@@ -569,6 +569,37 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("batch, seqlen, nheads, D, z, final_states", [
+    (1, 16400, 48, "channel", False, False), (1, 65600, 16, "channel", True, False),
+    (4, 2048, 64, None, False, True), (2, 2048, 64, "head", False, True)])
+def test_the_walks_early_state_update_gives_the_same_bits_as_the_update_at_the_steps_end(
+        batch, seqlen, nheads, D, z, final_states):
+    """bf16 walks that update the state early (``ssd.walk_updates_early``): split in two
+    segments one block an SM with D per channel, in sixteen paired with z and D per channel,
+    and returning final states two blocks an SM (256 pairs) and one (128 pairs): the same
+    operations as the update at the step's end, so out and final states equal bit for bit; and
+    the early walk held to the rule against float64."""
+    from dataclasses import replace as changed
+
+    from kernels.gpu_check import check_problem
+    from kernels.ssd import stage_pipeline
+    spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
+                       ngroups=1, chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
+                       initial_states=True, return_final_states=final_states)
+    problem = build_problem(spec, "cuda")
+    early = stage_pipeline(problem, states_returned=final_states)
+    assert early.plan.scan_out.update_early
+    late = changed(early, plan=changed(early.plan, scan_out=changed(early.plan.scan_out,
+                                                                    update_early=False)))
+    (out, final), (late_out, late_final) = (p.walk(*p.cumsum()) for p in (early, late))
+    assert torch.equal(out, late_out)
+    assert torch.equal(final, late_final)
+    record = check_problem(problem, with_mamba=False)
+    assert not record["violations"], record["violations"]
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_the_walk_in_twice_the_segments_paired_passes_the_rule_and_agrees_with_half_as_many():
     """16 (row, head) pairs over 1,025 chunks, bf16, z and D per channel, from initial states,
     returning final states: the walk in sixteen segments, two blocks an SM (eight fill one

@@ -251,6 +251,28 @@ def test_calls_returning_final_states_walk_with_float32_grade_increments():
                                  cu_dtype=torch.int32, nseq=2)).scan_out is None
 
 
+def test_the_walk_updates_its_state_early_where_the_h200_ran_it_faster():
+    """bf16 walks of out split into segments or returning final states update the state right
+    after the entering state's term and load x last (``ssd.walk_updates_early``); out alone
+    unsplit, with z and D unsplit, and in fp16 or float32 they keep the update at the step's
+    end; the states-only walk of a split call never takes it (it computes no out)."""
+    fused = replace(anchor_key(), chunk_size=64, states_returned=False)
+    final = replace(fused, states_returned=True)
+    assert not ssd.make_plan(fused).scan_out.update_early
+    assert ssd.make_plan(final).scan_out.update_early
+    assert ssd.make_plan(replace(final, batch=2, nheads=64, ngroups=8)).scan_out.update_early
+    assert not ssd.make_plan(replace(final, has_d=True, z_dtype=bf16)).scan_out.update_early
+    assert ssd.make_plan(replace(final, has_d=True)).scan_out.update_early
+    split = ssd.make_plan(replace(fused, batch=1, seqlen=65536, nheads=32))
+    assert split.walk_segments > 1
+    assert split.scan_out.update_early and not split.segment_states.update_early
+    assert ssd.make_plan(replace(fused, batch=1, seqlen=65536, nheads=32, has_d=True,
+                                 z_dtype=bf16)).scan_out.update_early
+    for dtype in (torch.float16, torch.float32):
+        other = replace(final, dstate=32, x_dtype=dtype, b_dtype=dtype, c_dtype=dtype)
+        assert not ssd.make_plan(other).scan_out.update_early
+
+
 def test_fp16_calls_walk_in_their_default_mode_paired_up_to_dstate_64():
     """fp16 x walks in '2xfp16' (``ssd.WALK_MODES``) at chunk 64 by default, its state update in
     the chunk states' mode ('2xfp16' out alone, '3xfp16' with final states). Its blocks run two
