@@ -39,6 +39,16 @@ figures). Their blocks too run two to an SM where that pays, fp16's up to dstate
 up to 32 (``kernels.ssd.WALK_PAIRING``); one an SM, fp16's at dstate 64 updates its state in
 '3xfp16' (``kernels.ssd.WALK_STATE_UPDATE_MODES``: two terms spill 400 bytes there on sm_90).
 
+Step order (``update_early``): on sm_90 the compiler gives the walk a producer warp that issues
+each step's TMA loads in program order, each load behind the release of its single buffer by
+the step before (cuobjdump of the first anchor's walk at d3276e1: one buffer per operand, 93.6
+KB of shared memory a block paired). With the state update last, B's buffer, and every load
+queued behind it, frees only at the step's end. Split walks and walks that return final states
+(their update float32-grade) update the state right after the entering state's term and load
+x last, which frees B mid-step: on the H200 0.87-0.98x the time at 16 of the 20 shapes the
+rule takes, 0.998-1.003x at the other 4 (``kernels.ssd.walk_updates_early``); out alone
+unsplit it gained nothing.
+
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third
 anchor: 1.83 ms against the scan and compute_out's 1.36). Split, each sequence is walked in
