@@ -76,11 +76,21 @@ import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.state_scan import next_state, step_log2_cumsum
-from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants, latency_hint,
-                              kernel_signature, load_transposed, log2_decay_between,
-                              placeholder, precise_mma, scalar_constraint, silu_gated)
+from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants,
+                              kernel_signature, latency_hint, load_transposed,
+                              log2_decay_between, placeholder, precise_mma, scalar_constraint,
+                              silu_gated)
 
 ZERO = ct.PaddingMode.ZERO
+
+
+@ct.function
+def step_rows(array, batch, step, head, p_block, ROWS: ct.Constant[int],
+              P_BLOCK: ct.Constant[int], LATENCY: ct.Constant[int]):
+    """One step's (ROWS, P_BLOCK) rows of x or z (b, L, H, P), zero past the end; LATENCY the
+    load's hint (0: the compiler's)."""
+    return ct.load(array, (batch, step, head, p_block), shape=(1, ROWS, 1, P_BLOCK),
+                   padding_mode=ZERO, latency=latency_hint(LATENCY)).reshape((ROWS, P_BLOCK))
 
 
 def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, out, final_states,
@@ -91,7 +101,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     SHARED_SCORES: ct.Constant[bool], STEP: ct.Constant[int],
                     STATE_MODE: ct.Constant[int], SEGMENTED: ct.Constant[bool],
                     OUT: ct.Constant[bool], UPDATE_EARLY: ct.Constant[bool],
-                    LAT_C: ct.Constant[int], LAT_S: ct.Constant[int], LAT_X: ct.Constant[int]):
+                    X_LATENCY: ct.Constant[int]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -133,13 +143,11 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
     for step in range(first_step, first_step + nsteps):
         if OUT:
             C_all = ct.load(C, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
-                            padding_mode=ZERO,
-                            latency=latency_hint(LAT_C)).reshape((STEP * CHUNK, N_PAD))
+                            padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
         B_all = ct.load(B, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
                         padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
         if OUT and not UPDATE_EARLY:
-            x_all = ct.load(x, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
-                            padding_mode=ZERO, latency=latency_hint(LAT_X)).reshape((STEP * CHUNK, P_BLOCK))
+            x_all = step_rows(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, X_LATENCY)
         if X_COLS_LOADED:
             x_cols_all = load_transposed(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK,
                                          True, 0)
@@ -148,18 +156,15 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         cumsum_all = ct.load(log2_decay_cumsum, (batch, head, step, 0, 0),
                              shape=(1, 1, STEP, 2, CHUNK), padding_mode=ZERO)
         if HAS_Z and OUT:
-            z_all = ct.load(z, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
-                            padding_mode=ZERO).reshape((STEP * CHUNK, P_BLOCK))
+            z_all = step_rows(z, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, 0)
         if SHARED_SCORES and OUT:
             s_all = ct.load(scores, (batch, step, group, 0, 0),
-                            shape=(1, STEP, 1, CHUNK, CHUNK), padding_mode=ZERO,
-                            latency=latency_hint(LAT_S))
+                            shape=(1, STEP, 1, CHUNK, CHUNK), padding_mode=ZERO)
         # UPDATE_EARLY: x's load last. On sm_90 the compiler's producer warp issues a step's loads
         # in this order, each behind the release of its buffer by the step before; x's is
         # released last (the chunk's own term), so the loads ahead of it go early.
         if OUT and UPDATE_EARLY:
-            x_all = ct.load(x, (batch, step, head, p_block), shape=(1, STEP * CHUNK, 1, P_BLOCK),
-                            padding_mode=ZERO, latency=latency_hint(LAT_X)).reshape((STEP * CHUNK, P_BLOCK))
+            x_all = step_rows(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, X_LATENCY)
         for k in ct.static_iter(range(STEP)):
             # One chunk a step: no chunk passes the last, so out's store needs no guard (its
             # branch cost one block an SM 14% at the second anchor, 7% in fp16: 'mid' in
@@ -257,15 +262,15 @@ class ScanOutConfig(KernelVariant):
     # The walk of out updates the state right after the entering state's term and loads x last
     # (``kernels.ssd.walk_updates_early``): the same operations, in another order.
     update_early: bool = False
-    c_latency: int = 0
-    s_latency: int = 0
+    # x's load latency hint, 1-10, 0 the compiler's (``kernels.ssd.walk_x_latency``): on sm_90 it
+    # changes how the compiler buffers the step loop, not what it computes.
     x_latency: int = 0
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,
                 self.has_d, self.has_z, self.shared_scores, self.chunks_per_step,
                 MODE[self.state_precision], self.segmented, self.computes_out, self.update_early,
-                self.c_latency, self.s_latency, self.x_latency)
+                self.x_latency)
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""

@@ -734,6 +734,30 @@ def segment_split(key: ProblemKey, segments: int, sms: int) -> int:
     return split
 
 
+# x's load latency hint in the walk of out (``walk_x_latency``): on sm_90 3 changes how the
+# compiler buffers the step loop (the second anchor's walk 163,280 -> 171,504 bytes of shared
+# memory, x's tile being 8 KB; no spill). On the H200 at be65b73, outs and final states equal
+# bit for bit (experiments/ab_load_latency_be65b73.txt, ab_load_latency2_be65b73.txt,
+# ab_load_latency3_be65b73.txt): bf16 at dstate 128 out alone one block an SM 0.823-0.869x the
+# time in four runs of three shapes (the second anchor 0.268 -> 0.221 ms); walks that update
+# early, paired, 0.932-0.966x at seven shapes, 1.001x at 16 pairs in sixteen segments; one an
+# SM early 0.997x (the second anchor with final states) and 1.000x (the third anchor). Not
+# taken: out alone paired, 1.058-1.084x (the first anchor 1.078x), dstate 64 one an SM 1.015x,
+# 256 0.999x, fp16 1.046x. The hints 6 and 10 on x, C or the scores lost at the first anchor
+# (1.105-1.135x).
+WALK_X_LATENCY = 3
+WALK_X_LATENCY_DSTATE = 128
+
+
+def walk_x_latency(mode: str, n_pad: int, occupancy: Optional[int], update_early: bool) -> int:
+    """x's load latency hint in the walk of out (``ScanOutConfig.x_latency``): WALK_X_LATENCY in
+    'input' (bf16) at padded dstate WALK_X_LATENCY_DSTATE where the walk updates early or runs one
+    block an SM, else 0 (the compiler's)."""
+    if mode == "input" and n_pad == WALK_X_LATENCY_DSTATE and (update_early or occupancy is None):
+        return WALK_X_LATENCY
+    return 0
+
+
 # The walk's early state update (x loaded last), where it won on the H200 at d3276e1, outs and
 # final states equal bit for bit (experiments/ab_update_early_d3276e1.txt, second round
 # ab_update_early2_d3276e1.txt): split walks 0.929-0.938x the time at eight paired shapes (32
@@ -922,11 +946,12 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              worker_warps=walk_worker_warps(mode, n_pad),
                              update_early=walk_updates_early(key, mode, walk_states_mode,
                                                              segments))
+        walk = replace(walk, x_latency=walk_x_latency(mode, n_pad, occupancy, walk.update_early))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
                 walk, start_dtype=f32, has_start=False, has_d=False, has_z=False,
-                shared_scores=False, computes_out=False, update_early=False,
+                shared_scores=False, computes_out=False, update_early=False, x_latency=0,
                 occupancy=walk_occupancy(key, mode, sms, (segments - 1) * parts))
             entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
                                             p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,

@@ -600,6 +600,34 @@ def test_the_walks_early_state_update_gives_the_same_bits_as_the_update_at_the_s
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("batch, nheads, final_states", [(2, 64, False), (4, 64, True)])
+def test_the_walks_latency_hint_on_x_gives_the_same_bits_as_the_compilers_choice(
+        batch, nheads, final_states):
+    """bf16 walks at dstate 128 that take x's latency hint (``ssd.walk_x_latency``): out alone
+    one block an SM (128 pairs) and returning final states two to an SM (256 pairs, updating
+    early): a hint moves no arithmetic, so out and final states equal those without it bit for
+    bit; and the hinted walk held to the rule against float64."""
+    from dataclasses import replace as changed
+
+    from kernels.gpu_check import check_problem
+    from kernels.ssd import WALK_X_LATENCY, stage_pipeline
+    spec = ProblemSpec(batch=batch, seqlen=2048, nheads=nheads, headdim=64, dstate=128,
+                       ngroups=1, chunk_size=64, x_dtype="bf16", bc_dtype="bf16",
+                       return_final_states=final_states)
+    problem = build_problem(spec, "cuda")
+    hinted = stage_pipeline(problem, states_returned=final_states)
+    assert hinted.plan.scan_out.x_latency == WALK_X_LATENCY
+    plain = changed(hinted, plan=changed(hinted.plan, scan_out=changed(hinted.plan.scan_out,
+                                                                       x_latency=0)))
+    (out, final), (plain_out, plain_final) = (p.walk(*p.cumsum()) for p in (hinted, plain))
+    assert torch.equal(out, plain_out)
+    assert torch.equal(final, plain_final)
+    record = check_problem(problem, with_mamba=False)
+    assert not record["violations"], record["violations"]
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_the_walk_in_twice_the_segments_paired_passes_the_rule_and_agrees_with_half_as_many():
     """16 (row, head) pairs over 1,025 chunks, bf16, z and D per channel, from initial states,
     returning final states: the walk in sixteen segments, two blocks an SM (eight fill one

@@ -130,7 +130,7 @@ def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, n
 def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     """At the first anchor's 512 (row, head) pairs, chunk 64: kernels/scan_out.py after the
     shared scores, no states stored, its blocks two to an SM; and so from 128 pairs, one to an
-    SM there; its own scores at dstate 64; at dstate 256 one block an SM
+    SM there (with x's latency hint, ``ssd.walk_x_latency``); its own scores at dstate 64; at dstate 256 one block an SM
     (``ssd.WALK_MAX_DSTATE``), in fp16 with 8 worker warps (``ssd.WALK_WORKER_WARPS``); not at
     64 pairs too short to split (the test below), at chunk 128, or with both z and D where its
     blocks run one to an SM."""
@@ -140,8 +140,8 @@ def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
                                                            "scan_out"]
     assert (plan.scan_out.chunk_size, plan.scan_out.p_block, plan.scan_out.n_pad) == (64, 64, 128)
     assert plan.scan_out.occupancy == 2
-    assert ssd.make_plan(replace(fused, batch=2)).scan_out == replace(plan.scan_out,
-                                                                      occupancy=None)
+    assert ssd.make_plan(replace(fused, batch=2)).scan_out == replace(
+        plan.scan_out, occupancy=None, x_latency=ssd.WALK_X_LATENCY)
     small_state = ssd.make_plan(replace(fused, dstate=64))
     assert [name for name, _ in small_state.named_configs()] == ["chunk_cumsum", "scan_out"]
     assert ssd.make_plan(replace(fused, has_d=True)).scan_out.has_d
@@ -271,6 +271,26 @@ def test_the_walk_updates_its_state_early_where_the_h200_ran_it_faster():
     for dtype in (torch.float16, torch.float32):
         other = replace(final, dstate=32, x_dtype=dtype, b_dtype=dtype, c_dtype=dtype)
         assert not ssd.make_plan(other).scan_out.update_early
+
+
+def test_the_walk_hints_xs_load_latency_where_the_h200_ran_it_faster():
+    """bf16 walks of out at dstate 128 that update early or run one block an SM take x's load
+    latency hint WALK_X_LATENCY (``ssd.walk_x_latency``); paired out alone, other dstates, fp16
+    and the states-only walk of a split call leave it to the compiler (0)."""
+    fused = replace(anchor_key(), chunk_size=64, states_returned=False)
+    hinted = ssd.WALK_X_LATENCY
+    assert hinted > 0
+    assert ssd.make_plan(fused).scan_out.x_latency == 0
+    assert ssd.make_plan(replace(fused, states_returned=True)).scan_out.x_latency == hinted
+    alone = replace(fused, batch=4, seqlen=8192, nheads=32, ngroups=8)
+    assert ssd.make_plan(alone).scan_out.occupancy is None
+    assert ssd.make_plan(alone).scan_out.x_latency == hinted
+    for dstate in (64, 256):
+        assert ssd.make_plan(replace(alone, dstate=dstate)).scan_out.x_latency == 0
+    fp16 = dict(x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)
+    assert ssd.make_plan(replace(alone, **fp16)).scan_out.x_latency == 0
+    split = ssd.make_plan(replace(fused, batch=1, seqlen=65536, nheads=32))
+    assert (split.scan_out.x_latency, split.segment_states.x_latency) == (hinted, 0)
 
 
 def test_fp16_calls_walk_in_their_default_mode_paired_up_to_dstate_64():
