@@ -569,57 +569,36 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("batch, seqlen, nheads, D, z, final_states", [
-    (1, 16400, 48, "channel", False, False), (1, 65600, 16, "channel", True, False),
-    (4, 2048, 64, None, False, True), (2, 2048, 64, "head", False, True)])
-def test_the_walks_early_state_update_gives_the_same_bits_as_the_update_at_the_steps_end(
-        batch, seqlen, nheads, D, z, final_states):
-    """bf16 walks that update the state early (``ssd.walk_updates_early``): split in two
+@pytest.mark.parametrize("knob, batch, seqlen, nheads, D, z, final_states", [
+    ("update_early", 1, 16400, 48, "channel", False, False),
+    ("update_early", 1, 65600, 16, "channel", True, False),
+    ("update_early", 4, 2048, 64, None, False, True),
+    ("update_early", 2, 2048, 64, "head", False, True),
+    ("x_latency", 2, 2048, 64, None, False, False),
+    ("x_latency", 4, 2048, 64, None, False, True)])
+def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
+        knob, batch, seqlen, nheads, D, z, final_states):
+    """bf16 walks at dstate 128, from initial states, with the knobs that move no arithmetic as
+    dispatched and off: the early state update (``ssd.walk_updates_early``; split in two
     segments one block an SM with D per channel, in sixteen paired with z and D per channel,
-    and returning final states two blocks an SM (256 pairs) and one (128 pairs): the same
-    operations as the update at the step's end, so out and final states equal bit for bit; and
-    the early walk held to the rule against float64."""
-    from dataclasses import replace as changed
-
-    from kernels.gpu_check import check_problem
-    from kernels.ssd import stage_pipeline
-    spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
-                       ngroups=1, chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
-                       initial_states=True, return_final_states=final_states)
-    problem = build_problem(spec, "cuda")
-    early = stage_pipeline(problem, states_returned=final_states)
-    assert early.plan.scan_out.update_early
-    late = changed(early, plan=changed(early.plan, scan_out=changed(early.plan.scan_out,
-                                                                    update_early=False)))
-    (out, final), (late_out, late_final) = (p.walk(*p.cumsum()) for p in (early, late))
-    assert torch.equal(out, late_out)
-    assert torch.equal(final, late_final)
-    record = check_problem(problem, with_mamba=False)
-    assert not record["violations"], record["violations"]
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("batch, nheads, final_states", [(2, 64, False), (4, 64, True)])
-def test_the_walks_latency_hint_on_x_gives_the_same_bits_as_the_compilers_choice(
-        batch, nheads, final_states):
-    """bf16 walks at dstate 128 that take x's latency hint (``ssd.walk_x_latency``): out alone
-    one block an SM (128 pairs) and returning final states two to an SM (256 pairs, updating
-    early): a hint moves no arithmetic, so out and final states equal those without it bit for
-    bit; and the hinted walk held to the rule against float64."""
+    returning final states two blocks an SM and one) and x's latency hint
+    (``ssd.walk_x_latency``; out alone one block an SM, final states paired): out and final
+    states equal bit for bit either way, and the dispatched walk held to the rule against
+    float64."""
     from dataclasses import replace as changed
 
     from kernels.gpu_check import check_problem
     from kernels.ssd import WALK_X_LATENCY, stage_pipeline
-    spec = ProblemSpec(batch=batch, seqlen=2048, nheads=nheads, headdim=64, dstate=128,
-                       ngroups=1, chunk_size=64, x_dtype="bf16", bc_dtype="bf16",
-                       return_final_states=final_states)
+    dispatched, off = {"update_early": (True, False), "x_latency": (WALK_X_LATENCY, 0)}[knob]
+    spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
+                       ngroups=1, chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
+                       initial_states=True, return_final_states=final_states)
     problem = build_problem(spec, "cuda")
-    hinted = stage_pipeline(problem, states_returned=final_states)
-    assert hinted.plan.scan_out.x_latency == WALK_X_LATENCY
-    plain = changed(hinted, plan=changed(hinted.plan, scan_out=changed(hinted.plan.scan_out,
-                                                                       x_latency=0)))
-    (out, final), (plain_out, plain_final) = (p.walk(*p.cumsum()) for p in (hinted, plain))
+    pipeline = stage_pipeline(problem, states_returned=final_states)
+    assert getattr(pipeline.plan.scan_out, knob) == dispatched
+    without = changed(pipeline, plan=changed(pipeline.plan, scan_out=changed(
+        pipeline.plan.scan_out, **{knob: off})))
+    (out, final), (plain_out, plain_final) = (p.walk(*p.cumsum()) for p in (pipeline, without))
     assert torch.equal(out, plain_out)
     assert torch.equal(final, plain_final)
     record = check_problem(problem, with_mamba=False)
