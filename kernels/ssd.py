@@ -933,6 +933,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
     if walk_states_mode is not None:
         # Split, every segment starts from a float32 state (the first from the call's own).
         split = segments > 1
+        early = walk_updates_early(key, mode, walk_states_mode, segments)
         walk = ScanOutConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
                              z_dtype=key.z_dtype or key.x_dtype,
                              start_dtype=f32 if split else key.start_dtype or f32,
@@ -943,10 +944,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              shared_scores=(shares_scores(key)
                                             and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE),
                              wide=wide, occupancy=occupancy, segmented=split,
-                             worker_warps=walk_worker_warps(mode, n_pad),
-                             update_early=walk_updates_early(key, mode, walk_states_mode,
-                                                             segments))
-        walk = replace(walk, x_latency=walk_x_latency(mode, n_pad, occupancy, walk.update_early))
+                             worker_warps=walk_worker_warps(mode, n_pad), update_early=early,
+                             x_latency=walk_x_latency(mode, n_pad, occupancy, early))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
