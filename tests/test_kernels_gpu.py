@@ -523,6 +523,16 @@ def test_the_fp16_walk_one_block_an_sm_at_dstate_64_passes_the_rule():
     assert not record["violations"], record["violations"]
 
 
+def _assert_walks_agree(out, final, other_out, other_final):
+    """Two orderings of one walk's sums (segments, parts): out within a few units of its dtype,
+    final states (None: not returned) within 1e-5 normwise."""
+    eps = torch.finfo(out.dtype).eps
+    assert float((other_out.float() - out.float()).abs().max()) <= 4 * eps * float(
+        out.float().abs().max())
+    if final is not None:
+        assert float((other_final - final).norm() / final.norm()) < 1e-5
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("D, z, final_states, dstate, batch", [
@@ -560,11 +570,7 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
     unsplit = changed(pipeline, plan=unsplit_plan)
     dt, cumsum = unsplit.cumsum()
     out, final = unsplit.walk(dt, cumsum)
-    eps = torch.finfo(problem.x.dtype).eps
-    assert float((split.out.float() - out.float()).abs().max()) <= 4 * eps * float(
-        out.float().abs().max())
-    if final_states:
-        assert float((split.final_states - final).norm() / final.norm()) < 1e-5
+    _assert_walks_agree(out, final if final_states else None, split.out, split.final_states)
 
 
 @pytest.mark.gpu
@@ -637,10 +643,7 @@ def test_the_walk_in_twice_the_segments_paired_passes_the_rule_and_agrees_with_h
             key, "input", sms, 7 * parts))))
     assert halved.plan.scan_out.occupancy is None
     (out, final), (halved_out, halved_final) = (p.walk(*p.cumsum()) for p in (pipeline, halved))
-    eps = torch.finfo(problem.x.dtype).eps
-    assert float((halved_out.float() - out.float()).abs().max()) <= 4 * eps * float(
-        out.float().abs().max())
-    assert float((halved_final - final).norm() / final.norm()) < 1e-5
+    _assert_walks_agree(out, final, halved_out, halved_final)
 
 
 @pytest.mark.gpu
@@ -663,10 +666,7 @@ def test_the_states_only_walk_in_parts_gives_the_split_walk_its_entering_states(
     parted = changed(pipeline, plan=changed(pipeline.plan, segment_split=parts))
     (out, final), (parted_out, parted_final) = (
         p.walk(*p.cumsum()) for p in (pipeline, parted))
-    eps = torch.finfo(problem.x.dtype).eps
-    assert float((parted_out.float() - out.float()).abs().max()) <= 4 * eps * float(
-        out.float().abs().max())
-    assert float((parted_final - final).norm() / final.norm()) < 1e-5
+    _assert_walks_agree(out, final, parted_out, parted_final)
 
 
 @pytest.mark.gpu
