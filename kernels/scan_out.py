@@ -48,7 +48,8 @@ queued behind it, frees only at the step's end. Split walks and walks that retur
 x last, which frees B mid-step: on the H200 0.87-0.98x the time at 16 of the 20 shapes the
 rule takes, 0.998-1.003x at the other 4 (``kernels.ssd.walk_updates_early``); out alone
 unsplit it gained nothing. A latency hint on x's load (``x_latency``) changes that buffering
-(``kernels.ssd.walk_x_latency``: 0.82-0.87x out alone one block an SM at dstate 128).
+(``kernels.ssd.walk_x_latency``: 0.82-0.87x out alone one block an SM at dstate 128), and one on
+B's (``b_latency``) the split walk's one block an SM (``kernels.ssd.walk_b_latency``: 0.86-0.90x).
 
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third
@@ -102,7 +103,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     SHARED_SCORES: ct.Constant[bool], STEP: ct.Constant[int],
                     STATE_MODE: ct.Constant[int], SEGMENTED: ct.Constant[bool],
                     OUT: ct.Constant[bool], UPDATE_EARLY: ct.Constant[bool],
-                    X_LATENCY: ct.Constant[int]):
+                    X_LATENCY: ct.Constant[int], B_LATENCY: ct.Constant[int]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -146,7 +147,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
             C_all = ct.load(C, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
                             padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
         B_all = ct.load(B, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
-                        padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
+                        padding_mode=ZERO, latency=latency_hint(B_LATENCY)).reshape((STEP * CHUNK, N_PAD))
         if OUT and not UPDATE_EARLY:
             x_all = step_rows(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, X_LATENCY)
         if X_COLS_LOADED:
@@ -266,12 +267,14 @@ class ScanOutConfig(KernelVariant):
     # x's load latency hint, 1-10, 0 the compiler's (``kernels.ssd.walk_x_latency``): on sm_90 it
     # changes how the compiler buffers the step loop, not what it computes.
     x_latency: int = 0
+    # B's load latency hint, likewise (``kernels.ssd.walk_b_latency``).
+    b_latency: int = 0
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,
                 self.has_d, self.has_z, self.shared_scores, self.chunks_per_step,
                 MODE[self.state_precision], self.segmented, self.computes_out, self.update_early,
-                self.x_latency)
+                self.x_latency, self.b_latency)
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""

@@ -758,6 +758,31 @@ def walk_x_latency(mode: str, n_pad: int, occupancy: Optional[int], update_early
     return 0
 
 
+# B's load latency hint in the walk of out (``walk_b_latency``): on sm_90 3 takes the third
+# anchor's split walk (one block an SM) from 228,936 to 218,624 bytes of shared memory and from
+# 48 bytes of spill to none. On the H200 at fdd7e22, outs and final states equal bit for bit
+# (experiments/ab_walk_hints_fdd7e22.txt, ab_b_latency_fdd7e22.txt), split walks one block an SM:
+# 0.858-0.865x the time out alone at dstate 128 (1, 16,384-65,536 tokens, 64 heads; the third
+# anchor's cumsum and walk 1.090 -> 0.936 ms), 0.879x there with final states, 0.902x at dstate
+# 256. Not taken: split walks paired (1.032x, 1.095x), split at dstate 64 (1.101x), unsplit out
+# alone one an SM (0.940x at the second anchor but 1.105x at 2 x 48 heads) and unsplit with final
+# states (1.081x paired, 1.098x alone). Of the other hints swept (C, the scores, dt and the cumsum
+# at 1-10, x at 6 and 10), none won at the first anchor (0.992-1.41x; B at 10 0.992x) and none
+# beat B's 3 at the third, alone or combined (C at 3 0.897x, the cumsum at 6 0.922x).
+WALK_B_LATENCY = 3
+WALK_B_LATENCY_MIN_DSTATE = 128
+
+
+def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: bool) -> int:
+    """B's load latency hint in the walk of out (``ScanOutConfig.b_latency``): WALK_B_LATENCY in
+    'input' (bf16) where the walk is split into segments and runs one block an SM at padded dstate
+    WALK_B_LATENCY_MIN_DSTATE or more, else 0 (the compiler's)."""
+    if (mode == "input" and segmented and occupancy is None
+            and n_pad >= WALK_B_LATENCY_MIN_DSTATE):
+        return WALK_B_LATENCY
+    return 0
+
+
 # The walk's early state update (x loaded last), where it won on the H200 at d3276e1, outs and
 # final states equal bit for bit (experiments/ab_update_early_d3276e1.txt, second round
 # ab_update_early2_d3276e1.txt): split walks 0.929-0.938x the time at eight paired shapes (32
@@ -945,12 +970,14 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                             and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE),
                              wide=wide, occupancy=occupancy, segmented=split,
                              worker_warps=walk_worker_warps(mode, n_pad), update_early=early,
-                             x_latency=walk_x_latency(mode, n_pad, occupancy, early))
+                             x_latency=walk_x_latency(mode, n_pad, occupancy, early),
+                             b_latency=walk_b_latency(mode, n_pad, occupancy, split))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
                 walk, start_dtype=f32, has_start=False, has_d=False, has_z=False,
                 shared_scores=False, computes_out=False, update_early=False, x_latency=0,
+                b_latency=0,
                 occupancy=walk_occupancy(key, mode, sms, (segments - 1) * parts))
             entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
                                             p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,

@@ -293,6 +293,27 @@ def test_the_walk_hints_xs_load_latency_where_the_h200_ran_it_faster():
     assert (split.scan_out.x_latency, split.segment_states.x_latency) == (hinted, 0)
 
 
+
+def test_the_split_walk_one_block_an_sm_hints_bs_load_latency_where_the_h200_ran_it_faster():
+    """bf16 walks of out split into segments one block an SM at dstate 128 and 256 take B's load
+    latency hint WALK_B_LATENCY (``ssd.walk_b_latency``), out alone or with final states; split
+    paired, split at dstate 64, unsplit, and the states-only walk leave it to the compiler (0)."""
+    fused = replace(anchor_key(), chunk_size=64, states_returned=False)
+    hinted = ssd.WALK_B_LATENCY
+    assert hinted > 0
+    third = replace(fused, batch=1, seqlen=65536)
+    for key in (third, replace(third, states_returned=True), replace(third, dstate=256)):
+        plan = ssd.make_plan(key)
+        assert (plan.scan_out.segmented, plan.scan_out.occupancy) == (True, None)
+        assert (plan.scan_out.b_latency, plan.segment_states.b_latency) == (hinted, 0)
+    paired = ssd.make_plan(replace(third, seqlen=131072, nheads=32)).scan_out
+    assert (paired.segmented, paired.occupancy, paired.b_latency) == (True, 2, 0)
+    small = ssd.make_plan(replace(third, dstate=64)).scan_out
+    assert (small.segmented, small.occupancy, small.b_latency) == (True, None, 0)
+    alone = ssd.make_plan(replace(fused, batch=4, seqlen=8192, nheads=32, ngroups=8)).scan_out
+    assert (alone.segmented, alone.occupancy, alone.b_latency) == (False, None, 0)
+    assert ssd.make_plan(fused).scan_out.b_latency == 0
+
 def test_fp16_calls_walk_in_their_default_mode_paired_up_to_dstate_64():
     """fp16 x walks in '2xfp16' (``ssd.WALK_MODES``) at chunk 64 by default, its state update in
     the chunk states' mode ('2xfp16' out alone, '3xfp16' with final states). Its blocks run two
