@@ -147,7 +147,8 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
             C_all = ct.load(C, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
                             padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
         B_all = ct.load(B, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
-                        padding_mode=ZERO, latency=latency_hint(B_LATENCY)).reshape((STEP * CHUNK, N_PAD))
+                        padding_mode=ZERO, latency=latency_hint(B_LATENCY)).reshape(
+                            (STEP * CHUNK, N_PAD))
         if OUT and not UPDATE_EARLY:
             x_all = step_rows(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, X_LATENCY)
         if X_COLS_LOADED:

@@ -592,8 +592,8 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
     returning final states two blocks an SM and one) and x's latency hint
     (``ssd.walk_x_latency``; out alone one block an SM, final states paired) and B's
     (``ssd.walk_b_latency``; split in two segments one block an SM, out alone with D per channel
-    and with final states): out and final states equal bit for bit either way, and the dispatched walk held to the rule against
-    float64."""
+    and with final states): out and final states equal bit for bit either way, and the
+    dispatched walk held to the rule against float64."""
     from dataclasses import replace as changed
 
     from kernels.gpu_check import check_problem
