@@ -293,7 +293,6 @@ def test_the_walk_hints_xs_load_latency_where_the_h200_ran_it_faster():
     assert (split.scan_out.x_latency, split.segment_states.x_latency) == (hinted, 0)
 
 
-
 def test_the_split_walk_one_block_an_sm_hints_bs_load_latency_where_the_h200_ran_it_faster():
     """bf16 walks of out split into segments one block an SM at dstate 128 and 256 take B's load
     latency hint WALK_B_LATENCY (``ssd.walk_b_latency``), out alone or with final states; split
@@ -313,6 +312,7 @@ def test_the_split_walk_one_block_an_sm_hints_bs_load_latency_where_the_h200_ran
     alone = ssd.make_plan(replace(fused, batch=4, seqlen=8192, nheads=32, ngroups=8)).scan_out
     assert (alone.segmented, alone.occupancy, alone.b_latency) == (False, None, 0)
     assert ssd.make_plan(fused).scan_out.b_latency == 0
+
 
 def test_fp16_calls_walk_in_their_default_mode_paired_up_to_dstate_64():
     """fp16 x walks in '2xfp16' (``ssd.WALK_MODES``) at chunk 64 by default, its state update in
