@@ -130,10 +130,10 @@ def test_many_row_heads_out_alone_take_the_fused_state_scan_at_chunk_64(batch, n
 def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     """At the first anchor's 512 (row, head) pairs, chunk 64: kernels/scan_out.py after the
     shared scores, no states stored, its blocks two to an SM; and so from 128 pairs, one to an
-    SM there (with x's latency hint, ``ssd.walk_x_latency``); its own scores at dstate 64; at dstate 256 one block an SM
-    (``ssd.WALK_MAX_DSTATE``), in fp16 with 8 worker warps (``ssd.WALK_WORKER_WARPS``); not at
-    64 pairs too short to split (the test below), at chunk 128, or with both z and D where its
-    blocks run one to an SM."""
+    SM there (with x's latency hint, ``ssd.walk_x_latency``); its own scores at dstate 64; at
+    dstate 256 one block an SM (``ssd.WALK_MAX_DSTATE``), in fp16 with 8 worker warps
+    (``ssd.WALK_WORKER_WARPS``); not at 64 pairs too short to split (the test below), at chunk
+    128, or with both z and D where its blocks run one to an SM."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
     assert [name for name, _ in plan.named_configs()] == ["chunk_cumsum", "chunk_scores",
