@@ -59,7 +59,11 @@ segments of whole steps, a block per (row, segment, head, P block): first the st
 then kernels/entering_states.py carries those end states across the segments, as the walk
 carries its state across chunks; then the walk runs each segment from its entering state. The
 states-only walk may take each segment in parts (``kernels.ssd.Plan.segment_split``: more
-blocks, shorter walks), whose end states carry the same way. The cost: x and B read once more
+blocks, shorter walks), whose end states carry the same way. Backward (``backward``; where
+``kernels.ssd.walks_states_backward`` takes it) the states-only walk runs a part's chunks last to
+first and adds each chunk's increment decayed to the part's end, 2^(later decays + S_last - S_t)
+on its weights, to a state it never rescales: its MMAs accumulate as a matmul's K loop does,
+none waiting on the decay of the one before. The cost: x and B read once more
 for all but the last segment, and the segments' float32 states (a few MB). On sm_90 as
 dispatched at one row of 65,536 tokens: 64 heads with final states, the states-only walk in
 four parts two to an SM (since 609d542; before, one an SM, 255 registers), 128 registers, no
@@ -77,7 +81,7 @@ import cuda.tile as ct
 import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
-from kernels.state_scan import next_state, step_log2_cumsum
+from kernels.state_scan import add_state_backward, next_state, step_log2_cumsum
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants,
                               kernel_signature, latency_hint, load_transposed,
                               log2_decay_between, placeholder, precise_mma, scalar_constraint,
@@ -103,7 +107,8 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     SHARED_SCORES: ct.Constant[bool], STEP: ct.Constant[int],
                     STATE_MODE: ct.Constant[int], SEGMENTED: ct.Constant[bool],
                     OUT: ct.Constant[bool], UPDATE_EARLY: ct.Constant[bool],
-                    X_LATENCY: ct.Constant[int], B_LATENCY: ct.Constant[int]):
+                    X_LATENCY: ct.Constant[int], B_LATENCY: ct.Constant[int],
+                    BACKWARD: ct.Constant[bool]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -138,11 +143,18 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
     # at dstate 256 with final states on sm_90, where the load spills none
     # (experiments/ab_walk_x_once_6c67a8c.txt).
     X_COLS_LOADED = not OUT or SEGMENTED or N_PAD > 128
+    # BACKWARD (states alone): the steps last to first, each chunk's increment decayed to the
+    # walk's end (``add_state_backward``), the decay of the chunks after it summed as it goes.
+    later_hi = ct.zeros((1,), dtype=ct.float32)
+    later_lo = ct.zeros((1,), dtype=ct.float32)
     # STEP chunks a step, as kernels/state_scan.py walks: each operand of STEP chunks in one load
     # (their latency paid once), then the chunks in order. Chunks past the last are zero-padded
     # (dt 0 and a flat cumsum leave h as it is) and store nothing. Without OUT only the state
     # walks: its operands alone are read.
-    for step in range(first_step, first_step + nsteps):
+    for walked in range(first_step, first_step + nsteps):
+        step = walked
+        if BACKWARD:
+            step = 2 * first_step + nsteps - 1 - walked
         if OUT:
             C_all = ct.load(C, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
                             padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
@@ -168,7 +180,10 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         # released last (the chunk's own term), so the loads ahead of it go early.
         if OUT and UPDATE_EARLY:
             x_all = step_rows(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, X_LATENCY)
-        for k in ct.static_iter(range(STEP)):
+        for k_walked in ct.static_iter(range(STEP)):
+            k = k_walked
+            if BACKWARD:
+                k = STEP - 1 - k_walked
             # One chunk a step: no chunk passes the last, so out's store needs no guard (its
             # branch cost one block an SM 14% at the second anchor, 7% in fp16: 'mid' in
             # experiments/ab_walk_store_order_ce6a7f8.txt), and the chunk is the loop's own
@@ -215,7 +230,11 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 if HAS_Z:
                     y = silu_gated(y, ct.extract(z_all, (k, 0), shape=(CHUNK, P_BLOCK)).astype(
                         ct.float32), out)
-            if not (OUT and UPDATE_EARLY):
+            if BACKWARD:
+                h, later_hi, later_lo = add_state_backward(
+                    h, later_hi, later_lo, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK,
+                    N_PAD, CHUNK)
+            elif not (OUT and UPDATE_EARLY):
                 h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK, N_PAD,
                                CHUNK)
             # out is stored after the state update, not before it: the same operations and
@@ -270,12 +289,15 @@ class ScanOutConfig(KernelVariant):
     x_latency: int = 0
     # B's load latency hint, likewise (``kernels.ssd.walk_b_latency``).
     b_latency: int = 0
+    # Without computes_out: walk the steps last to first, summing each chunk's increment decayed
+    # to the end (``add_state_backward``), where x's dtype holds any decay (not fp16).
+    backward: bool = False
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,
                 self.has_d, self.has_z, self.shared_scores, self.chunks_per_step,
                 MODE[self.state_precision], self.segmented, self.computes_out, self.update_early,
-                self.x_latency, self.b_latency)
+                self.x_latency, self.b_latency, self.backward)
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""
@@ -302,7 +324,7 @@ class ScanOutConfig(KernelVariant):
                 f"shared_scores={self.shared_scores} int64={self.wide} "
                 f"occupancy={self.occupancy} worker_warps={self.worker_warps} "
                 f"step={self.chunks_per_step} segmented={self.segmented} "
-                f"out={self.computes_out}")
+                f"out={self.computes_out} backward={self.backward}")
 
 
 def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutConfig,

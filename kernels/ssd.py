@@ -783,6 +783,24 @@ def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: b
     return 0
 
 
+# The split walk's states-only walk backward (``ScanOutConfig.backward``: chunks last to first,
+# each increment decayed to the part's end, the carried state never rescaled), where it ran faster
+# on the H200 (experiments/ab_backward_6a5f910.txt; one process against the forward walk, outs
+# within 1e-4 normwise of it and their errors against float64 equal to 4 digits): out alone at
+# one row of 65,536 tokens, dstate 256 (one block an SM) the states-only walk 0.566x, cumsum and
+# walk 0.880x; at dstate 128 the states-only walk 0.975-0.988x, cumsum and walk 0.992-0.999x at
+# six shapes (the third anchor's 0.997x, 0.994x with final states). Lost at dstate 64 (1.373x,
+# 1.051x). fp16 x keeps the forward walk: its range does not hold the decays to a part's end.
+WALK_BACKWARD_MIN_DSTATE = 128
+
+
+def walks_states_backward(key: ProblemKey, n_pad: int) -> bool:
+    """Whether the split walk's states-only walk runs its chunks last to first
+    (``ScanOutConfig.backward``): from padded dstate WALK_BACKWARD_MIN_DSTATE, where x is not
+    fp16."""
+    return key.x_dtype != torch.float16 and n_pad >= WALK_BACKWARD_MIN_DSTATE
+
+
 # The walk's early state update (x loaded last), where it won on the H200 at d3276e1, outs and
 # final states equal bit for bit (experiments/ab_update_early_d3276e1.txt, second round
 # ab_update_early2_d3276e1.txt): split walks 0.929-0.938x the time at eight paired shapes (32
@@ -977,7 +995,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
             segment_states = replace(
                 walk, start_dtype=f32, has_start=False, has_d=False, has_z=False,
                 shared_scores=False, computes_out=False, update_early=False, x_latency=0,
-                b_latency=0,
+                b_latency=0, backward=walks_states_backward(key, n_pad),
                 occupancy=walk_occupancy(key, mode, sms, (segments - 1) * parts))
             entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
                                             p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,

@@ -47,6 +47,7 @@ and the forward 0.566 against 0.661 ms at chunk 128; at the second 0.135 ms and 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import cuda.tile as ct
@@ -55,7 +56,8 @@ import torch
 from kernels.fwd_pass_state import weights_ride_on_x
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants,
                               kernel_signature, load_transposed,
-                              log2_decay_between, placeholder, precise_mma, scalar_constraint)
+                              log2_decay_between, placeholder, precise_mma, scalar_constraint,
+                              two_sum_add)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -115,6 +117,17 @@ def step_log2_cumsum(cumsum_all, k, CHUNK: ct.Constant[int]):
 
 
 @ct.function
+def add_increment(acc, x_cols, B_rows, w, x, B, MODE: ct.Constant[int],
+                  P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int]):
+    """acc + x_cols (w o B_rows): acc (P_BLOCK, N_BLOCK) float32, x_cols (P_BLOCK, CHUNK),
+    B_rows (CHUNK, N_BLOCK), w (CHUNK,) each position's weight; x and B give the operands'
+    dtypes."""
+    if weights_ride_on_x(x, B, P_BLOCK, N_BLOCK):
+        return precise_mma(x_cols.astype(ct.float32) * w[None, :], B_rows, acc, MODE, x.dtype)
+    return precise_mma(x_cols, B_rows.astype(ct.float32) * w[:, None], acc, MODE, x.dtype)
+
+
+@ct.function
 def next_state(h, x_cols, B_rows, dt_rows, hi, lo, x, B, MODE: ct.Constant[int],
                P_BLOCK: ct.Constant[int], N_BLOCK: ct.Constant[int], CHUNK: ct.Constant[int]):
     """The state entering the next chunk, 2^(S_last) h + x_c^T (w o B_c), from h (P_BLOCK,
@@ -125,10 +138,27 @@ def next_state(h, x_cols, B_rows, dt_rows, hi, lo, x, B, MODE: ct.Constant[int],
     lo_last = ct.extract(lo, (CHUNK - 1,), shape=(1,))
     w = dt_rows * exp2_nonpos(log2_decay_between(hi_last, lo_last, hi, lo))
     carry = exp2_nonpos(hi_last + lo_last).reshape((1, 1))
-    if weights_ride_on_x(x, B, P_BLOCK, N_BLOCK):
-        return precise_mma(x_cols.astype(ct.float32) * w[None, :], B_rows, carry * h, MODE,
-                           x.dtype)
-    return precise_mma(x_cols, B_rows.astype(ct.float32) * w[:, None], carry * h, MODE, x.dtype)
+    return add_increment(carry * h, x_cols, B_rows, w, x, B, MODE, P_BLOCK, N_BLOCK)
+
+
+@ct.function
+def add_state_backward(h, later_hi, later_lo, x_cols, B_rows, dt_rows, hi, lo, x, B,
+                       MODE: ct.Constant[int], P_BLOCK: ct.Constant[int],
+                       N_BLOCK: ct.Constant[int], CHUNK: ct.Constant[int]):
+    """Walking chunks last to first: (h + the chunk's increment decayed to the end of the chunks
+    walked before it, and those chunks' log2 decay with this one's added). later_hi + later_lo
+    (1,) is the log2 decay of the chunks walked so far (<= 0), summed with TwoSum; the rest as
+    ``next_state``. h is never rescaled: the chunks' MMAs accumulate as a matmul's do."""
+    hi_last = ct.extract(hi, (CHUNK - 1,), shape=(1,))
+    lo_last = ct.extract(lo, (CHUNK - 1,), shape=(1,))
+    w = dt_rows * exp2_nonpos(later_hi + (later_lo + log2_decay_between(hi_last, lo_last, hi,
+                                                                         lo)))
+    later_hi, later_lo = two_sum_add(later_hi, later_lo, hi_last, lo_last)
+    # An infinite decay leaves inf - inf = NaN in lo (as chunk_cumsum's scan does): its decay is
+    # exactly 0, keep hi.
+    later_lo = ct.where(ct.abs(later_hi) == math.inf, 0.0, later_lo)
+    return (add_increment(h, x_cols, B_rows, w, x, B, MODE, P_BLOCK, N_BLOCK), later_hi,
+            later_lo)
 
 
 # x, B and the states can pass 2^31 elements: 64-bit indexing of those in the wide variant.

@@ -675,6 +675,50 @@ def test_the_states_only_walk_in_parts_gives_the_split_walk_its_entering_states(
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("regime, parts, part_steps", [
+    ("mamba2_init", 4, 10), ("strong_decay", 4, 10), ("near_unit_decay", 3, 13),
+    ("mamba2_init", 4, 13)])
+def test_the_backward_states_only_walk_gives_each_parts_end_state_from_zero(regime, parts,
+                                                                            part_steps):
+    """kernels/scan_out.py without out, ``backward`` and not: each part's end state walked from
+    zero, within 1e-6 normwise of the float64 reference on the part alone, bf16 x with the
+    float32-grade state update ('3xbf16'). 37 chunks of 16, the last partial, in parts of 10
+    chunks (the last of 7), of 13 under near-unit decay, and of 13 with the fourth wholly past
+    the end (its state zero); strong decay underflows within a step, where the backward sum's
+    decays reach far below float32's normal range."""
+    from dataclasses import replace as changed
+
+    from kernels.scan_out import ScanOutConfig, scan_out
+    from kernels.ssd import stage_pipeline
+    from oracles.chunked_reference import chunked_ssd
+    Q, P, N = 16, 16, 16
+    p = build_problem(ProblemSpec(batch=2, seqlen=37 * Q - 5, nheads=3, headdim=P, dstate=N,
+                                  ngroups=1, chunk_size=Q, x_dtype="bf16", bc_dtype="bf16",
+                                  regime=regime, seed=7), "cuda")
+    dt, cumsum = stage_pipeline(p).cumsum()
+    forward = ScanOutConfig(chunk_size=Q, p_block=P, n_pad=N, state_precision="3xbf16",
+                            shared_scores=False, segmented=True, computes_out=False)
+    ends = {}
+    for backward in (False, True):
+        _, ends[backward] = scan_out(p.x, p.B, p.C, dt, cumsum, None, None, None,
+                                     changed(forward, backward=backward), None, parts, part_steps)
+    want = torch.zeros(ends[True].shape, dtype=torch.float64, device="cuda")
+    want = want.view(p.batch, parts, *want.shape[1:])
+    for k in range(parts):
+        part = slice(k * part_steps * Q, (k + 1) * part_steps * Q)
+        if part.start < p.seqlen:
+            alone = validate(p.x[:, part], p.dt[:, part], p.A, p.B[:, part], p.C[:, part], Q,
+                             return_final_states=True)
+            want[:, k] = chunked_ssd(alone, torch.float64, torch.float64).final_states
+    want = want.flatten(0, 1)
+    for got in ends.values():
+        assert float((got.double() - want).norm() / want.norm()) < 1e-6
+    if part_steps * (parts - 1) * Q >= p.seqlen:
+        assert not ends[True].view(want.shape[0] // parts, parts, -1)[:, -1].any()
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("segments, split, seqlen, regime, initial_states", [
     (4, 1, 200, "mamba2_init", True), (2, 2, 200, "mamba2_init", True),
     (2, 3, 200, "mamba2_init", False), (2, 1, 1100, "near_unit_decay", True),

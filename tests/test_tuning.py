@@ -314,6 +314,23 @@ def test_the_split_walk_one_block_an_sm_hints_bs_load_latency_where_the_h200_ran
     assert ssd.make_plan(fused).scan_out.b_latency == 0
 
 
+def test_the_split_walks_states_only_walk_runs_backward_from_dstate_128_where_x_holds_decays():
+    """The states-only walk of a split call runs its chunks last to first
+    (``ssd.walks_states_backward``) at dstate 128 and 256, out alone or with final states, and
+    forward at dstate 64, where the H200 ran it slower; never for fp16 x, whose range does not
+    hold a part's decays. The walk of out is never backward."""
+    third = replace(anchor_key(), chunk_size=64, states_returned=False, batch=1, seqlen=65536)
+    for key, backward in ((third, True), (replace(third, states_returned=True), True),
+                          (replace(third, dstate=256), True), (replace(third, dstate=64), False),
+                          (replace(third, seqlen=131072, nheads=32), True)):
+        plan = ssd.make_plan(key)
+        assert plan.walk_segments > 1
+        assert (plan.segment_states.backward, plan.scan_out.backward) == (backward, False)
+    fp16 = dict(x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)
+    assert not ssd.walks_states_backward(replace(third, **fp16), 128)
+    assert ssd.walks_states_backward(third, ssd.WALK_BACKWARD_MIN_DSTATE)
+
+
 def test_fp16_calls_walk_in_their_default_mode_paired_up_to_dstate_64():
     """fp16 x walks in '2xfp16' (``ssd.WALK_MODES``) at chunk 64 by default, its state update in
     the chunk states' mode ('2xfp16' out alone, '3xfp16' with final states). Its blocks run two
