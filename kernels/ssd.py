@@ -771,15 +771,31 @@ def walk_x_latency(mode: str, n_pad: int, occupancy: Optional[int], update_early
 # beat B's 3 at the third, alone or combined (C at 3 0.897x, the cumsum at 6 0.922x).
 WALK_B_LATENCY = 3
 WALK_B_LATENCY_MIN_DSTATE = 128
+# fp16's walk ('2xfp16') with final states (its state update '3xfp16') one block an SM at padded
+# dstate 128 loads B with the hint 10, which ran faster there on the H200 at 691633e, outs and
+# final states equal bit for bit (experiments/ab_fp16_states_691633e.txt, after the sweep of x's
+# and B's hints at 1-10 in ab_fp16_hints_691633e.txt): 0.856x at (8, 4096, 64 heads), 0.963x
+# at (4, 8192, 32 heads, 8 groups), 0.841x at (2, 16384, 64 heads); x's hint at 1 or 2
+# 0.87-1.00x, both 0.84-0.95x, no better than B's alone. No effect at dstate 256 (1.001x) nor
+# paired at 64 (1.002x); out alone B at 10 took the first anchor's size 1.220x (0.947x at the
+# second's), so out alone keeps the compiler's.
+WALK_B_LATENCY_FP16_STATES = 10
+WALK_B_LATENCY_FP16_DSTATE = 128
 
 
-def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: bool) -> int:
+def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: bool,
+                   state_mode: str) -> int:
     """B's load latency hint in the walk of out (``ScanOutConfig.b_latency``): WALK_B_LATENCY in
     'input' (bf16) where the walk is split into segments and runs one block an SM at padded dstate
-    WALK_B_LATENCY_MIN_DSTATE or more, else 0 (the compiler's)."""
+    WALK_B_LATENCY_MIN_DSTATE or more; WALK_B_LATENCY_FP16_STATES in '2xfp16' with its state
+    update in '3xfp16' (final states) one block an SM at padded dstate
+    WALK_B_LATENCY_FP16_DSTATE; else 0 (the compiler's)."""
     if (mode == "input" and segmented and occupancy is None
             and n_pad >= WALK_B_LATENCY_MIN_DSTATE):
         return WALK_B_LATENCY
+    if (mode == "2xfp16" and state_mode == "3xfp16" and occupancy is None
+            and n_pad == WALK_B_LATENCY_FP16_DSTATE):
+        return WALK_B_LATENCY_FP16_STATES
     return 0
 
 
@@ -989,7 +1005,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              wide=wide, occupancy=occupancy, segmented=split,
                              worker_warps=walk_worker_warps(mode, n_pad), update_early=early,
                              x_latency=walk_x_latency(mode, n_pad, occupancy, early),
-                             b_latency=walk_b_latency(mode, n_pad, occupancy, split))
+                             b_latency=walk_b_latency(mode, n_pad, occupancy, split,
+                                                       walk_states_mode))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(

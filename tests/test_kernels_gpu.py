@@ -575,33 +575,36 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("knob, batch, seqlen, nheads, D, z, final_states", [
-    ("update_early", 1, 16400, 48, "channel", False, False),
-    ("update_early", 1, 65600, 16, "channel", True, False),
-    ("update_early", 4, 2048, 64, None, False, True),
-    ("update_early", 2, 2048, 64, "head", False, True),
-    ("x_latency", 2, 2048, 64, None, False, False),
-    ("x_latency", 4, 2048, 64, None, False, True),
-    ("b_latency", 1, 16400, 48, "channel", False, False),
-    ("b_latency", 1, 16400, 64, None, False, True)])
+@pytest.mark.parametrize("knob, dtype, batch, seqlen, nheads, D, z, final_states", [
+    ("update_early", "bf16", 1, 16400, 48, "channel", False, False),
+    ("update_early", "bf16", 1, 65600, 16, "channel", True, False),
+    ("update_early", "bf16", 4, 2048, 64, None, False, True),
+    ("update_early", "bf16", 2, 2048, 64, "head", False, True),
+    ("x_latency", "bf16", 2, 2048, 64, None, False, False),
+    ("x_latency", "bf16", 4, 2048, 64, None, False, True),
+    ("b_latency", "bf16", 1, 16400, 48, "channel", False, False),
+    ("b_latency", "bf16", 1, 16400, 64, None, False, True),
+    ("b_latency", "fp16", 2, 2048, 64, "head", False, True)])
 def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
-        knob, batch, seqlen, nheads, D, z, final_states):
-    """bf16 walks at dstate 128, from initial states, with the knobs that move no arithmetic as
+        knob, dtype, batch, seqlen, nheads, D, z, final_states):
+    """Walks at dstate 128, from initial states, with the knobs that move no arithmetic as
     dispatched and off: the early state update (``ssd.walk_updates_early``; split in two
     segments one block an SM with D per channel, in sixteen paired with z and D per channel,
     returning final states two blocks an SM and one) and x's latency hint
     (``ssd.walk_x_latency``; out alone one block an SM, final states paired) and B's
     (``ssd.walk_b_latency``; split in two segments one block an SM, out alone with D per channel
-    and with final states): out and final states equal bit for bit either way, and the
-    dispatched walk held to the rule against float64."""
+    and with final states; fp16 returning final states one block an SM): out and final states
+    equal bit for bit either way, and the dispatched walk held to the rule against float64."""
     from dataclasses import replace as changed
 
     from kernels.gpu_check import check_problem
-    from kernels.ssd import WALK_B_LATENCY, WALK_X_LATENCY, stage_pipeline
+    from kernels.ssd import (WALK_B_LATENCY, WALK_B_LATENCY_FP16_STATES, WALK_X_LATENCY,
+                             stage_pipeline)
+    b_hint = WALK_B_LATENCY if dtype == "bf16" else WALK_B_LATENCY_FP16_STATES
     dispatched, off = {"update_early": (True, False), "x_latency": (WALK_X_LATENCY, 0),
-                       "b_latency": (WALK_B_LATENCY, 0)}[knob]
+                       "b_latency": (b_hint, 0)}[knob]
     spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
-                       ngroups=1, chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
+                       ngroups=1, chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D=D, z=z,
                        initial_states=True, return_final_states=final_states)
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=final_states)

@@ -314,6 +314,26 @@ def test_the_split_walk_one_block_an_sm_hints_bs_load_latency_where_the_h200_ran
     assert ssd.make_plan(fused).scan_out.b_latency == 0
 
 
+def test_fp16_walks_with_final_states_one_block_an_sm_hint_bs_load_latency_at_dstate_128():
+    """fp16's walk ('2xfp16') returning final states (its update '3xfp16'), one block an SM at
+    dstate 128, takes B's load latency hint WALK_B_LATENCY_FP16_STATES (``ssd.walk_b_latency``);
+    out alone, dstate 256, and paired at dstate 64 (also updating in '3xfp16') leave it to the
+    compiler (0), where the H200 ran it no faster."""
+    fp16 = replace(anchor_key(), chunk_size=64, x_dtype=torch.float16, b_dtype=torch.float16,
+                   c_dtype=torch.float16, states_returned=True)
+    hinted = ssd.WALK_B_LATENCY_FP16_STATES
+    assert hinted > 0
+    for key in (fp16, replace(fp16, batch=4, seqlen=8192, nheads=32, ngroups=8)):
+        walk = ssd.make_plan(key).scan_out
+        assert (walk.precision, walk.state_precision, walk.occupancy) == ("2xfp16", "3xfp16", None)
+        assert walk.b_latency == hinted
+    for key, occupancy in ((replace(fp16, states_returned=False), None),
+                           (replace(fp16, dstate=256), None), (replace(fp16, dstate=64), 2)):
+        walk = ssd.make_plan(key).scan_out
+        assert (walk.occupancy, walk.b_latency) == (occupancy, 0)
+    assert ssd.make_plan(replace(fp16, dstate=64)).scan_out.state_precision == "3xfp16"
+
+
 def test_the_split_walks_states_only_walk_runs_backward_from_dstate_128_where_x_holds_decays():
     """The states-only walk of a split call runs its chunks last to first
     (``ssd.walks_states_backward``) at dstate 128 and 256, out alone or with final states, and
