@@ -49,7 +49,8 @@ x last, which frees B mid-step: on the H200 0.87-0.98x the time at 16 of the 20 
 rule takes, 0.998-1.003x at the other 4 (``kernels.ssd.walk_updates_early``); out alone
 unsplit it gained nothing. A latency hint on x's load (``x_latency``) changes that buffering
 (``kernels.ssd.walk_x_latency``: 0.82-0.87x out alone one block an SM at dstate 128), and one on
-B's (``b_latency``) the split walk's one block an SM (``kernels.ssd.walk_b_latency``: 0.86-0.90x).
+B's (``b_latency``) the split walk's one block an SM and fp16's returning final states one an SM
+(``kernels.ssd.walk_b_latency``: 0.86-0.90x, 0.84-0.96x).
 
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third
