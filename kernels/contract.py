@@ -44,7 +44,7 @@ dt + dt_bias is outside the contract and is refused only by the opt-in scan ``ch
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
@@ -96,6 +96,8 @@ class SSDProblem:
     return_final_states: bool = False
     return_varlen_states: bool = False
     decay_check: Optional["DecayCheck"] = None
+    # validate's call_signature of the call (None: it had none); never compared.
+    signature: Optional[tuple] = field(default=None, compare=False, repr=False)
 
     def confirm_decay(self) -> None:
         """Raise SSDInputError if a deferred A <= 0 check failed (a no-op when none is pending)."""
@@ -159,8 +161,9 @@ class SSDProblem:
         return ids.view(1, self.seqlen)
 
     def with_tensors(self, **tensors) -> "SSDProblem":
-        """The same call with some tensors replaced (e.g. moved or upcast); no re-validation."""
-        return replace(self, **tensors)
+        """The same call with some tensors replaced (e.g. moved or upcast); no re-validation, and
+        no signature (it described the tensors replaced)."""
+        return replace(self, signature=None, **tensors)
 
     def call_kwargs(self) -> dict:
         """Keyword arguments that reproduce this call on any implementation of the contract."""
@@ -206,6 +209,40 @@ class DecayCheck:
                         f"A[{head}] = {float(self.values[head])}")
 
 
+# Signatures of calls that passed validate's checks (call_signature). A call of the same
+# signature passes them again: they read its arguments' types, shapes, dtypes and devices and its
+# options, and values only of seq_idx, cu_seqlens and (check_finite) every input, which such calls
+# are given no signature for. A's values are read on every call (DecayCheck).
+_PASSED: dict = {}
+PASSED_MAX = 1024
+# Options memoized by value: anything else (a tensor as a bound, say) leaves the call unsigned.
+_PLAIN_OPTION_TYPES = (bool, int, float, str, type(None))
+
+
+def call_signature(arrays: tuple, options: tuple) -> Optional[tuple]:
+    """A call as validation and planning see it: each array argument's shape, strides, dtype and
+    device (None where absent) and its options; None where an argument is neither a tensor nor
+    None, or an option is not a plain value (or a tuple or list of them)."""
+    described = []
+    for t in arrays:
+        if t is None:
+            described.append(None)
+        elif isinstance(t, torch.Tensor):
+            described.append((tuple(t.shape), t.stride(), t.dtype, t.device))
+        else:
+            return None
+    plain = []
+    for option in options:
+        if isinstance(option, (tuple, list)):
+            if not all(type(v) in _PLAIN_OPTION_TYPES for v in option):
+                return None
+            option = (type(option), tuple(option))
+        elif type(option) not in _PLAIN_OPTION_TYPES:
+            return None
+        plain.append((type(option), option))
+    return tuple(described), tuple(plain)
+
+
 def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf),
              return_final_states=False, return_varlen_states=False, *,
@@ -213,7 +250,40 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
              check_finite: bool = False, implementation: str = "this implementation",
              defer_decay_check: bool = False) -> SSDProblem:
     """Check every argument of an SSD forward call; raise SSDInputError or return the SSDProblem.
-    defer_decay_check: leave the A <= 0 verdict to ``SSDProblem.confirm_decay`` (module docstring)."""
+    defer_decay_check: leave the A <= 0 verdict to ``SSDProblem.confirm_decay`` (module docstring).
+    A call whose ``call_signature`` passed before skips the checks that read no values."""
+    signature = None
+    if seq_idx is None and cu_seqlens is None and not check_finite:
+        signature = call_signature(
+            (x, dt, A, B, C, D, z, dt_bias, initial_states),
+            (chunk_size, dt_limit, dt_softplus, return_final_states, return_varlen_states,
+             None if supported_chunk_sizes is None else tuple(supported_chunk_sizes)))
+    if signature is None or signature not in _PASSED:
+        _check_call(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                    cu_seqlens, dt_softplus, dt_limit, return_varlen_states,
+                    supported_chunk_sizes, check_finite, implementation)
+        if signature is not None:
+            if len(_PASSED) >= PASSED_MAX:
+                _PASSED.clear()
+            _PASSED[signature] = True
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    decay_check = DecayCheck(A)
+    if not defer_decay_check:
+        decay_check.confirm()
+        decay_check = None
+
+    return SSDProblem(x=x, dt=dt, A=A, B=B, C=C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
+                      initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                      dt_softplus=bool(dt_softplus), dt_limit=(lo, hi),
+                      return_final_states=bool(return_final_states),
+                      return_varlen_states=bool(return_varlen_states), decay_check=decay_check,
+                      signature=signature)
+
+
+def _check_call(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                dt_softplus, dt_limit, return_varlen_states, supported_chunk_sizes, check_finite,
+                implementation) -> None:
+    """validate's checks: raise SSDInputError naming the first argument outside the contract."""
     act = "float32, float16 or bfloat16"
     if not isinstance(x, torch.Tensor):
         raise _fail("x", "a torch.Tensor", type(x).__name__)
@@ -320,17 +390,6 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
             if bool((step < 0).any()):
                 raise _fail("dt", "dt + dt_bias >= 0 without dt_softplus or dt_limit "
                             "(check_finite=True)", f"a step of {float(step.min())}")
-
-    decay_check = DecayCheck(A)
-    if not defer_decay_check:
-        decay_check.confirm()
-        decay_check = None
-
-    return SSDProblem(x=x, dt=dt, A=A, B=B, C=C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
-                      initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
-                      dt_softplus=bool(dt_softplus), dt_limit=(lo, hi),
-                      return_final_states=bool(return_final_states),
-                      return_varlen_states=bool(return_varlen_states), decay_check=decay_check)
 
 
 def pack_outputs(problem: SSDProblem, out, final_states=None, varlen_states=None):

@@ -1157,8 +1157,12 @@ def run_stages(problem: SSDProblem, state_dtype=None, precision: Optional[str] =
                chunk_states: bool = False) -> SSDResult:
     """All three kernels on a validated problem; every stage in ``stages`` (chunk_states None
     where the walk of kernels/scan_out.py runs, unless ``chunk_states`` asks for them)."""
-    pipeline = stage_pipeline(problem, state_dtype, precision, varlen, states_returned,
-                              chunk_states)
+    return launch_stages(stage_pipeline(problem, state_dtype, precision, varlen, states_returned,
+                                        chunk_states))
+
+
+def launch_stages(pipeline: StagePipeline) -> SSDResult:
+    """``run_stages`` on a pipeline already planned."""
     # Looked up once, not per launch: 23 us a lookup under cProfile on the H200's host, of the
     # ~650 us a profiled b1 L512 call took there, which small problems pay in full
     # (reports/h200/experiments/host_profile_cc5b8d4.txt).
@@ -1231,12 +1235,46 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
                        return_varlen_states=return_varlen_states,
                        supported_chunk_sizes=SUPPORTED_CHUNK_SIZES,
                        implementation="the cuTile kernels", defer_decay_check=True)
-    if chunk_size is None:
-        picked = default_chunk_size(problem, precision, return_varlen_states)
+    prepared_key = _prepared_key(problem, chunk_size is None, state_dtype, precision)
+    prepared = _PREPARED.get(prepared_key) if prepared_key is not None else None
+    if prepared is None:
+        if chunk_size is None:
+            picked = default_chunk_size(problem, precision, return_varlen_states)
+            if picked != problem.chunk_size:
+                problem = replace(problem, chunk_size=picked)
+        pipeline = stage_pipeline(problem, state_dtype=state_dtype, precision=precision,
+                                  varlen=return_varlen_states)
+        if prepared_key is not None:
+            if len(_PREPARED) >= PREPARED_MAX:
+                _PREPARED.clear()
+            _PREPARED[prepared_key] = (problem.chunk_size, pipeline.plan)
+    else:
+        picked, plan = prepared
         if picked != problem.chunk_size:
             problem = replace(problem, chunk_size=picked)
-    result = run_stages(problem, state_dtype=state_dtype, precision=precision,
-                        varlen=return_varlen_states)
+        # A signed call packs no sequences: no seq_idx, no varlen states.
+        pipeline = StagePipeline(problem, plan, problem.A.to(torch.float32), None, False)
+    result = launch_stages(pipeline)
     # The kernels are queued; the A <= 0 verdict decides whether their outputs are returned.
     problem.confirm_decay()
     return pack_outputs(problem, result.out, result.final_states, result.varlen_states)
+
+
+# ssd_forward's chunk size and plan by the call's signature (kernels.contract.call_signature:
+# everything about a call but its tensors' values) and what else picks them. A call seen before
+# skips default_chunk_size and stage_pipeline, which read no values either.
+_PREPARED: dict = {}
+PREPARED_MAX = 256
+
+
+def _prepared_key(problem: SSDProblem, chunk_picked: bool, state_dtype, precision):
+    """ssd_forward's memo key for a validated call, or None (no signature, or an option that is
+    not hashable: the unmemoized path then says what is wrong with it)."""
+    if problem.signature is None:
+        return None
+    key = (problem.signature, chunk_picked, state_dtype, precision, tuning_sources())
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key

@@ -292,3 +292,43 @@ def test_a_negative_step_without_softplus_or_limit_is_refused_by_the_scan_only()
     validate(**{**plain, "dt": dt})                         # not scanned by default
     validate(**{**plain, "dt": dt, "dt_limit": (0.0, 1.0)}, check_finite=True)  # clamped
     validate(**{**plain, "dt": dt, "dt_softplus": True}, check_finite=True)   # softplus > 0
+
+
+def test_a_signed_call_that_passed_skips_the_checks_and_any_change_is_checked(monkeypatch):
+    """validate remembers the signatures of calls that passed (kernels.contract.call_signature:
+    shapes, strides, dtypes, devices and options, no values); a call equal in all of them skips
+    the checks, and one that differs in any of them is checked again."""
+    from kernels import contract
+    checked = []
+    real = contract._check_call
+    monkeypatch.setattr(contract, "_check_call", lambda *a: (checked.append(1), real(*a)))
+    monkeypatch.setattr(contract, "_PASSED", {})
+    first = validate(**D)
+    assert first.signature is not None and len(checked) == 1
+    again = validate(**{**D, "x": D["x"].clone()})         # other values, same signature
+    assert again.signature == first.signature and len(checked) == 1
+    assert again == first.with_tensors(x=again.x) and again.x is not first.x
+    check(refusal(D, B=D["B"].to(torch.int32)), "B", ACT, "torch.int32")
+    check(refusal(D, dt_limit=(0.2, 0.1)), "dt_limit", "0 <= lo <= hi", "(0.2, 0.1)")
+    check(refusal(D, chunk_size=True), "chunk_size", "a positive int", "True")
+    # Another layout of the same values is a new signature: checked, then passed.
+    validate(**{**D, "x": D["x"].transpose(1, 2).contiguous().transpose(1, 2)})
+    assert len(checked) == 5
+    # A's values are read on every call, signed or not.
+    A = D["A"].clone()
+    A[1] = 0.25
+    check(refusal(D, A=A), "A", "values <= 0", "A[1] = 0.25")
+
+
+def test_calls_whose_validation_reads_values_are_never_signed():
+    """seq_idx's and cu_seqlens' values, and with check_finite every input's, are checked on
+    every call: a decreasing seq_idx is refused after a valid one of the same layout."""
+    assert validate(**P).signature is None
+    assert validate(**D, check_finite=True).signature is None
+    seq_idx = torch.tensor([[0] * 5 + [1] * 5, [2] * 10], dtype=torch.int64)
+    assert validate(**{**D, "seq_idx": seq_idx}).signature is None
+    check(refusal(D, seq_idx=seq_idx.flip(1)), "seq_idx", "non-decreasing values along seqlen",
+          "a decreasing step")
+    # An option that is not a plain value leaves the call unsigned, not refused.
+    assert validate(**{**D, "dt_limit": (torch.tensor(0.0), 1.0)}).signature is None
+    assert validate(**D).with_tensors(x=D["x"].double()).signature is None

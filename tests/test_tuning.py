@@ -873,3 +873,34 @@ def test_bad_own_shapes_are_refused_with_the_expected_form(text, capsys):
     with pytest.raises(SystemExit):
         tune.main(["--out", "/tmp/unused", "--shape", text])
     assert "--shape: expected B,L,H,P,N,G[,dtype]" in capsys.readouterr().err
+
+
+def test_a_call_seen_before_launches_its_plan_without_planning_again(monkeypatch):
+    """ssd_forward remembers the chunk size and plan of a signed call (kernels.contract
+    .call_signature); the same call again (other values) launches the same kernels on the same
+    grids without stage_pipeline, and a call that differs in an option is planned anew. CPU
+    tensors, launches recorded (kernels.variants.recorded_launches)."""
+    from kernels.variants import recorded_launches
+    from properties.problems import ProblemSpec, build_problem
+    monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
+    monkeypatch.setattr(ssd, "_PREPARED", {})
+    planned = []
+    real = ssd.stage_pipeline
+    monkeypatch.setattr(ssd, "stage_pipeline",
+                        lambda *a, **k: (planned.append(k.get("varlen")), real(*a, **k))[1])
+    call = build_problem(ProblemSpec(batch=2, seqlen=300, nheads=4, headdim=16, dstate=32,
+                                     ngroups=1, chunk_size=64, D="head")).call_kwargs()
+    del call["chunk_size"]
+
+    def launches(**changes):
+        with recorded_launches() as launched:
+            ssd.ssd_forward(**{**call, **changes})
+        return [(grid, kernel) for grid, kernel, _ in launched]
+
+    flipped = not call["return_final_states"]
+    first = launches()
+    assert launches(x=call["x"].clone(), dt=call["dt"] * 0.5) == first and len(planned) == 1
+    assert launches(return_final_states=flipped) and len(planned) == 2
+    assert launches(chunk_size=256) and len(planned) == 3
+    assert launches(return_final_states=flipped) and len(planned) == 3
+    assert launches() == first and len(planned) == 3
