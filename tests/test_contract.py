@@ -305,6 +305,11 @@ def test_a_signed_call_that_passed_skips_the_checks_and_any_change_is_checked(mo
     monkeypatch.setattr(contract, "_PASSED", {})
     first = validate(**D)
     assert first.signature is not None and len(checked) == 1
+
+    def leaves(item):
+        return [v for i in item for v in leaves(i)] if isinstance(item, tuple) else [item]
+    # Remembered signatures must not keep a caller's tensors (or their memory) alive.
+    assert not any(isinstance(v, torch.Tensor) for v in leaves(first.signature))
     again = validate(**{**D, "x": D["x"].clone()})         # other values, same signature
     assert again.signature == first.signature and len(checked) == 1
     assert again == first.with_tensors(x=again.x) and again.x is not first.x
