@@ -594,7 +594,8 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
     (``ssd.walk_x_latency``; out alone one block an SM, final states paired) and B's
     (``ssd.walk_b_latency``; split in two segments one block an SM, out alone with D per channel
     and with final states; fp16 returning final states one block an SM): out and final states
-    equal bit for bit either way, and the dispatched walk held to the rule against float64."""
+    equal bit for bit either way in each of four runs, and the dispatched walk held to the rule
+    against float64."""
     from dataclasses import replace as changed
 
     from kernels.gpu_check import check_problem
@@ -611,9 +612,13 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
     assert getattr(pipeline.plan.scan_out, knob) == dispatched
     without = changed(pipeline, plan=changed(pipeline.plan, scan_out=changed(
         pipeline.plan.scan_out, **{knob: off})))
-    (out, final), (plain_out, plain_final) = (p.walk(*p.cumsum()) for p in (pipeline, without))
-    assert torch.equal(out, plain_out)
-    assert torch.equal(final, plain_final)
+    plain_out, plain_final = without.walk(*without.cumsum())
+    # Run after run: a hint whose code races gives outs that differ from run to run (the
+    # cumsum's at 6 in fp16's walk did: experiments/ab_fp16_out_hints_fdd7e22.txt).
+    for _ in range(4):
+        out, final = pipeline.walk(*pipeline.cumsum())
+        assert torch.equal(out, plain_out)
+        assert torch.equal(final, plain_final)
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
 
