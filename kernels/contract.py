@@ -213,7 +213,7 @@ class DecayCheck:
 # signature passes them again: they read its arguments' types, shapes, dtypes and devices and its
 # options, and values only of seq_idx, cu_seqlens and (check_finite) every input, which such calls
 # are given no signature for. A's values are read on every call (DecayCheck).
-_PASSED: dict = {}
+_PASSED: set = set()
 PASSED_MAX = 1024
 # Options memoized by value: anything else (a tensor as a bound, say) leaves the call unsigned.
 _PLAIN_OPTION_TYPES = (bool, int, float, str, type(None))
@@ -236,10 +236,11 @@ def call_signature(arrays: tuple, options: tuple) -> Optional[tuple]:
         if isinstance(option, (tuple, list)):
             if not all(type(v) in _PLAIN_OPTION_TYPES for v in option):
                 return None
-            option = (type(option), tuple(option))
-        elif type(option) not in _PLAIN_OPTION_TYPES:
+            plain.append((type(option), tuple(option)))
+        elif type(option) in _PLAIN_OPTION_TYPES:
+            plain.append((type(option), option))
+        else:
             return None
-        plain.append((type(option), option))
     return tuple(described), tuple(plain)
 
 
@@ -265,7 +266,7 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
         if signature is not None:
             if len(_PASSED) >= PASSED_MAX:
                 _PASSED.clear()
-            _PASSED[signature] = True
+            _PASSED.add(signature)
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     decay_check = DecayCheck(A)
     if not defer_decay_check:

@@ -1236,7 +1236,10 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
                        supported_chunk_sizes=SUPPORTED_CHUNK_SIZES,
                        implementation="the cuTile kernels", defer_decay_check=True)
     prepared_key = _prepared_key(problem, chunk_size is None, state_dtype, precision)
-    prepared = _PREPARED.get(prepared_key) if prepared_key is not None else None
+    try:
+        prepared = _PREPARED.get(prepared_key) if prepared_key is not None else None
+    except TypeError:     # an unhashable option: the unmemoized path says what is wrong with it
+        prepared_key = prepared = None
     if prepared is None:
         if chunk_size is None:
             picked = default_chunk_size(problem, precision, return_varlen_states)
@@ -1271,13 +1274,7 @@ PREPARED_MAX = 256
 
 
 def _prepared_key(problem: SSDProblem, chunk_picked: bool, state_dtype, precision):
-    """ssd_forward's memo key for a validated call, or None (no signature, or an option that is
-    not hashable: the unmemoized path then says what is wrong with it)."""
+    """ssd_forward's memo key for a validated call, or None where it has no signature."""
     if problem.signature is None:
         return None
-    key = (problem.signature, chunk_picked, state_dtype, precision, tuning_sources())
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return problem.signature, chunk_picked, state_dtype, precision, tuning_sources()

@@ -302,7 +302,7 @@ def test_a_signed_call_that_passed_skips_the_checks_and_any_change_is_checked(mo
     checked = []
     real = contract._check_call
     monkeypatch.setattr(contract, "_check_call", lambda *a: (checked.append(1), real(*a)))
-    monkeypatch.setattr(contract, "_PASSED", {})
+    monkeypatch.setattr(contract, "_PASSED", set())
     first = validate(**D)
     assert first.signature is not None and len(checked) == 1
 

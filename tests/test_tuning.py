@@ -887,7 +887,7 @@ def test_a_call_seen_before_launches_its_plan_without_planning_again(monkeypatch
     planned = []
     real = ssd.stage_pipeline
     monkeypatch.setattr(ssd, "stage_pipeline",
-                        lambda *a, **k: (planned.append(k.get("varlen")), real(*a, **k))[1])
+                        lambda *a, **k: (planned.append(a), real(*a, **k))[1])
     call = build_problem(ProblemSpec(batch=2, seqlen=300, nheads=4, headdim=16, dstate=32,
                                      ngroups=1, chunk_size=64, D="head")).call_kwargs()
     del call["chunk_size"]
