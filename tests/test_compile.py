@@ -4,8 +4,8 @@ promises them and moves its tiles by TMA (sm_90 remarks); those specializations 
 and the host code launches the signatures CI compiles.
 
 The compiles (~500 tileiras runs: each target's covering set) happen once, two at a time, in a
-module fixture; each (variant, target) is then its own test. Measured on the 2-core CI machine:
-see kernels/variants.py.
+module fixture; each (variant, target) is then its own test. On the 2-core CI machine the fixture
+took 882 s of the suite's ~19 minutes (753cc8d, pytest --durations).
 """
 from __future__ import annotations
 
