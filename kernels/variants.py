@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import inspect
 import io
@@ -504,53 +505,97 @@ def tile_ir(variant: Variant) -> str:
 
 def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -> CompileResult:
     """Compile one variant for one target; never raises (the result says what went wrong)."""
+    return compile_for_targets(variant, ((target, variant.name),), out_dir)[0]
+
+
+def compile_for_targets(variant: Variant, named_targets, out_dir: str | None = None
+                        ) -> list[CompileResult]:
+    """compile_variant for each (target, the variant's name in that target's covering set) of
+    ``named_targets``, its target-independent bytecode written once; never raises. A result's
+    seconds: the front end's and its tileiras run's."""
     start = time.perf_counter()
-    result = CompileResult(variant.name, target, ok=False, seconds=0.0)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
+    results = [CompileResult(name, target, ok=False, seconds=0.0)
+               for target, name in named_targets]
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
             source = _write_bytecode(variant, tmp)
-            stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", variant.name).strip("-")
-            cubin = os.path.join(out_dir or tmp, f"{stem}.{target}.cubin")
-            command = [tileiras_path(), source, "--gpu-name", target, *TILEIRAS_FLAGS, "-o", cubin]
-            if target == REMARK_TARGET:
-                command += ["--remark-format=command-line", "--remarks=all"]
-            run = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                                 env=tileiras_env())
-            if run.returncode != 0:
-                result.error = (run.stderr or run.stdout)[-4000:]
-            elif not os.path.getsize(cubin):
-                result.error = "tileiras wrote an empty cubin"
-            else:
-                result.ok = True
-                with open(cubin, "rb") as f:
-                    machine_code = f.read()
-                result.code_digest = code_digest(machine_code)
-                (result.registers, result.spill_bytes,
-                 result.shared_bytes) = kernel_resources(machine_code)
-                if target == REMARK_TARGET:
-                    remarks = run.stdout + run.stderr
-                    result.tensor_core_mmas, result.fma_mmas = mma_remarks(remarks)
-                    result.tma_fallbacks = tma_fallbacks(remarks)
-    except Exception as exc:   # a front-end error (TileError) names file:line; keep its message
-        result.error = f"{type(exc).__name__}: {exc}"[-4000:]
-    result.seconds = time.perf_counter() - start
-    return result
+        except Exception as exc:   # a front-end error (TileError) names file:line; keep it
+            for result in results:
+                result.error = f"{type(exc).__name__}: {exc}"[-4000:]
+                result.seconds = time.perf_counter() - start
+            return results
+        front_end = time.perf_counter() - start
+        for result in results:
+            started = time.perf_counter()
+            try:
+                _run_tileiras(source, result, out_dir or tmp)
+            except Exception as exc:
+                result.error = f"{type(exc).__name__}: {exc}"[-4000:]
+            result.seconds = front_end + time.perf_counter() - started
+    return results
 
 
-def _compile_task(args):
-    index, target, out_dir = args
-    return compile_variant(covering_variants(target_capability(target))[index], target, out_dir)
+def _run_tileiras(source: str, result: CompileResult, cubin_dir: str) -> None:
+    """Compile ``source`` (Tile IR bytecode) for ``result.target`` into ``result``."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", result.variant).strip("-")
+    cubin = os.path.join(cubin_dir, f"{stem}.{result.target}.cubin")
+    command = [tileiras_path(), source, "--gpu-name", result.target, *TILEIRAS_FLAGS, "-o", cubin]
+    if result.target == REMARK_TARGET:
+        command += ["--remark-format=command-line", "--remarks=all"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=tileiras_env())
+    if run.returncode != 0:
+        result.error = (run.stderr or run.stdout)[-4000:]
+    elif not os.path.getsize(cubin):
+        result.error = "tileiras wrote an empty cubin"
+    else:
+        result.ok = True
+        with open(cubin, "rb") as f:
+            machine_code = f.read()
+        result.code_digest = code_digest(machine_code)
+        result.registers, result.spill_bytes, result.shared_bytes = kernel_resources(machine_code)
+        if result.target == REMARK_TARGET:
+            remarks = run.stdout + run.stderr
+            result.tensor_core_mmas, result.fma_mmas = mma_remarks(remarks)
+            result.tma_fallbacks = tma_fallbacks(remarks)
+
+
+def _compile_tasks(targets, out_dir: str | None) -> list[tuple]:
+    """A task per distinct variant of the targets' covering sets: (capability, index,
+    ((target, name), ...), out_dir), the variant at ``index`` of ``capability``'s set and every
+    target whose set holds it, with its name there. Spawned workers get indices, not variants."""
+    tasks: dict[tuple, tuple] = {}
+    for target in targets:
+        capability = target_capability(target)
+        for index, v in enumerate(covering_variants(capability)):
+            ident = (v.kernel, v.config, repr(v.signature.parameters))
+            tasks.setdefault(ident, (capability, index, []))[2].append((target, v.name))
+    return [(capability, index, tuple(named), out_dir)
+            for capability, index, named in tasks.values()]
+
+
+@functools.lru_cache(maxsize=None)
+def _process_covering_variants(capability: int) -> list[Variant]:
+    """covering_variants, once per compile worker process (~0.2 s a call): its tasks index it."""
+    return covering_variants(capability)
+
+
+def _compile_task(args) -> list[CompileResult]:
+    capability, index, named_targets, out_dir = args
+    return compile_for_targets(_process_covering_variants(capability)[index], named_targets,
+                               out_dir)
 
 
 def compile_all(targets=TARGETS, jobs: int = 2, out_dir: str | None = None) -> list[CompileResult]:
-    """Every target's covering variants for it, ``jobs`` compiles at a time (spawned processes:
-    cuTile's front end is Python, tileiras is single-threaded per kernel)."""
-    tasks = [(i, t, out_dir) for t in targets
-             for i in range(len(covering_variants(target_capability(t))))]
+    """Every target's covering variants for it, ``jobs`` variants at a time (spawned processes:
+    cuTile's front end is Python, tileiras is single-threaded per kernel), each variant's
+    bytecode written once for the targets that compile it."""
+    tasks = _compile_tasks(targets, out_dir)
     if jobs <= 1:
-        return [_compile_task(task) for task in tasks]
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
-        return list(pool.map(_compile_task, tasks))
+        per_task = [_compile_task(task) for task in tasks]
+    else:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+            per_task = list(pool.map(_compile_task, tasks))
+    return [result for results in per_task for result in results]
 
 
 _ONE_ELEMENT = re.compile(r"shape=\(\)|shape=\((1, )*1\)|reshape\(\((1, )*1\)\)")
