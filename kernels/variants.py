@@ -511,8 +511,9 @@ def compile_variant(variant: Variant, target: str, out_dir: str | None = None) -
 def compile_for_targets(variant: Variant, named_targets, out_dir: str | None = None
                         ) -> list[CompileResult]:
     """compile_variant for each (target, the variant's name in that target's covering set) of
-    ``named_targets``, its target-independent bytecode written once; never raises. A result's
-    seconds: the front end's and its tileiras run's."""
+    ``named_targets``, its target-independent bytecode written once. A front-end or tileiras
+    failure is in the results (its message kept), not raised. A result's seconds: the front
+    end's and its tileiras run's."""
     start = time.perf_counter()
     results = [CompileResult(name, target, ok=False, seconds=0.0)
                for target, name in named_targets]
