@@ -52,6 +52,13 @@ unsplit it gained nothing. A latency hint on x's load (``x_latency``) changes th
 B's (``b_latency``) the split walk's one block an SM and fp16's returning final states one an SM
 (``kernels.ssd.walk_b_latency``: 0.86-0.90x, 0.84-0.96x).
 
+Orientation (``out_transposed``): out^T (P_BLOCK, CHUNK) per chunk, h . C_c^T and x_c^T . W^T,
+stored transposed back. On sm_90 the state is then the entering term's MMA operand straight from
+registers, where out's own orientation copies h^T to shared memory and fences it before each
+step's first MMA; W^T, half its bytes, is copied instead. The same products: outs bit-equal on
+the H200, and paired out alone with the shared scores 0.964-0.980x the time
+(``kernels.ssd.walk_out_transposed``, where the figures and the walks that lost are).
+
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third
 anchor: 1.83 ms against the scan and compute_out's 1.36). Split, each sequence is walked in
@@ -109,7 +116,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     STATE_MODE: ct.Constant[int], SEGMENTED: ct.Constant[bool],
                     OUT: ct.Constant[bool], UPDATE_EARLY: ct.Constant[bool],
                     X_LATENCY: ct.Constant[int], B_LATENCY: ct.Constant[int],
-                    BACKWARD: ct.Constant[bool]):
+                    BACKWARD: ct.Constant[bool], OUT_TRANSPOSED: ct.Constant[bool]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -137,6 +144,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         d = ct.load(D, (head, p_block), shape=(1, P_BLOCK), padding_mode=ZERO)
     position = ct.arange(CHUNK, dtype=ct.int32)
     sees = position[None, :] <= position[:, None]
+    sees_transposed = position[:, None] <= position[None, :]
     # The state update's x columns: the out's x tile transposed where the walk computes out
     # unsplit up to dstate 128 (8 KB less shared memory a block; on the H200 0.91-0.97x the time
     # of a second, transposed load at six shapes, out bit-equal), else a load of their own: the
@@ -215,17 +223,32 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                                     ct.zeros((CHUNK, CHUNK), dtype=ct.float32), MODE, x.dtype)
 
                 # The chunk's output: the entering state's term, then the chunk's own positions.
-                y = precise_mma(C_c, h.transpose(), ct.zeros((CHUNK, P_BLOCK), dtype=ct.float32),
-                                MODE, x.dtype) * exp2_nonpos(hi + lo)[:, None]
+                # OUT_TRANSPOSED: out^T (P_BLOCK, CHUNK), the state the first MMA's operand in
+                # registers ('Orientation' above), turned back before D, z and the store.
+                if OUT_TRANSPOSED:
+                    y = precise_mma(h, C_c.transpose(),
+                                    ct.zeros((P_BLOCK, CHUNK), dtype=ct.float32), MODE,
+                                    x.dtype) * exp2_nonpos(hi + lo)[None, :]
+                else:
+                    y = precise_mma(C_c, h.transpose(),
+                                    ct.zeros((CHUNK, P_BLOCK), dtype=ct.float32), MODE,
+                                    x.dtype) * exp2_nonpos(hi + lo)[:, None]
                 # UPDATE_EARLY: the state update right after its last read of h, which releases
                 # B (and with it the next step's loads that wait on B) mid-step, not at its end.
                 if UPDATE_EARLY:
                     h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK,
                                    N_PAD, CHUNK)
-                exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :],
-                                              lo[None, :])
-                weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
-                y = precise_mma(weights, x_c, y, MODE, x.dtype)
+                if OUT_TRANSPOSED:
+                    exponent = log2_decay_between(hi[None, :], lo[None, :], hi[:, None],
+                                                  lo[:, None])
+                    weights = s.transpose() * (ct.where(sees_transposed, exp2_nonpos(exponent),
+                                                        0.0) * dt_c[:, None])
+                    y = precise_mma(x_cols, weights, y, MODE, x.dtype).transpose()
+                else:
+                    exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :],
+                                                  lo[None, :])
+                    weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
+                    y = precise_mma(weights, x_c, y, MODE, x.dtype)
                 if HAS_D:
                     y = y + d * x_c.astype(ct.float32)
                 if HAS_Z:
@@ -293,12 +316,15 @@ class ScanOutConfig(KernelVariant):
     # Without computes_out: walk the steps last to first, summing each chunk's increment decayed
     # to the end (``add_state_backward``), where x's dtype holds any decay (not fp16).
     backward: bool = False
+    # The walk of out computes each chunk's out transposed (``kernels.ssd.walk_out_transposed``):
+    # the same products, the state an MMA operand in registers.
+    out_transposed: bool = False
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,
                 self.has_d, self.has_z, self.shared_scores, self.chunks_per_step,
                 MODE[self.state_precision], self.segmented, self.computes_out, self.update_early,
-                self.x_latency, self.b_latency, self.backward)
+                self.x_latency, self.b_latency, self.backward, self.out_transposed)
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""
@@ -325,7 +351,8 @@ class ScanOutConfig(KernelVariant):
                 f"shared_scores={self.shared_scores} int64={self.wide} "
                 f"occupancy={self.occupancy} worker_warps={self.worker_warps} "
                 f"step={self.chunks_per_step} segmented={self.segmented} "
-                f"out={self.computes_out} backward={self.backward}")
+                f"out={self.computes_out} backward={self.backward} "
+                f"transposed={self.out_transposed}")
 
 
 def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutConfig,

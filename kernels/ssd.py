@@ -799,6 +799,29 @@ def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: b
     return 0
 
 
+# The walk of out computes each chunk's out transposed (``walk_out_transposed``,
+# ``ScanOutConfig.out_transposed``): on sm_90 the state is then the entering state's MMA's left
+# operand, read from registers, where out's own orientation copies h^T (16 KB in bf16) to shared
+# memory and fences it before that MMA each step; W^T (8 KB) is copied instead, before the
+# chunk's own MMA. The first anchor's paired walk: 4 matrix stores a thread a step against 12,
+# 84,672 bytes of shared memory against 93,584, 128 registers, no spill. On the H200 at 991db3f,
+# outs equal bit for bit (experiments/ab_walk_out_transposed_991db3f.txt): bf16 out alone, two
+# blocks an SM, with the shared scores, 0.964-0.980x the time at six shapes (the first anchor
+# 0.972x and 0.973x in two runs, 0.3516 -> 0.3416 ms; 8 rows of 1,024 and 16,384 tokens, 4 of
+# 4,096, headdim 128, 8 groups). Not taken: one block an SM (1.27x at (2, 16384, 64 heads),
+# 1.36x at the second anchor, 1.33x in the third's split walk; 160-240 bytes spilled on sm_90),
+# its own scores (dstate 64, 1.065x) and with the early update (1.016-1.041x).
+
+
+def walk_out_transposed(mode: str, occupancy: Optional[int], shared_scores: bool,
+                        update_early: bool, has_d: bool, has_z: bool) -> bool:
+    """Whether the walk of out computes out transposed (``ScanOutConfig.out_transposed``): in
+    'input' (bf16) two blocks an SM, reading the shared scores, updating the state last, without
+    D and z (not timed with them)."""
+    return (mode == "input" and occupancy == 2 and shared_scores and not update_early
+            and not has_d and not has_z)
+
+
 # The split walk's states-only walk backward (``ScanOutConfig.backward``: chunks last to first,
 # each increment decayed to the part's end, the carried state never rescaled), where it ran faster
 # on the H200 (experiments/ab_backward_6a5f910.txt; one process against the forward walk, outs
@@ -993,6 +1016,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
         # Split, every segment starts from a float32 state (the first from the call's own).
         split = segments > 1
         early = walk_updates_early(key, mode, walk_states_mode, segments)
+        shared_scores = shares_scores(key) and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE
         walk = ScanOutConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
                              z_dtype=key.z_dtype or key.x_dtype,
                              start_dtype=f32 if split else key.start_dtype or f32,
@@ -1000,19 +1024,21 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              state_precision=walk_states_mode,
                              has_start=split or key.start_dtype is not None, has_d=key.has_d,
                              has_z=key.z_dtype is not None,
-                             shared_scores=(shares_scores(key)
-                                            and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE),
-                             wide=wide, occupancy=occupancy, segmented=split,
-                             worker_warps=walk_worker_warps(mode, n_pad), update_early=early,
+                             shared_scores=shared_scores, wide=wide, occupancy=occupancy,
+                             segmented=split, worker_warps=walk_worker_warps(mode, n_pad),
+                             update_early=early,
                              x_latency=walk_x_latency(mode, n_pad, occupancy, early),
                              b_latency=walk_b_latency(mode, n_pad, occupancy, split,
-                                                       walk_states_mode))
+                                                       walk_states_mode),
+                             out_transposed=walk_out_transposed(
+                                 mode, occupancy, shared_scores, early, key.has_d,
+                                 key.z_dtype is not None))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
                 walk, start_dtype=f32, has_start=False, has_d=False, has_z=False,
                 shared_scores=False, computes_out=False, update_early=False, x_latency=0,
-                b_latency=0, backward=walks_states_backward(key, n_pad),
+                b_latency=0, out_transposed=False, backward=walks_states_backward(key, n_pad),
                 occupancy=walk_occupancy(key, mode, sms, (segments - 1) * parts))
             entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
                                             p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,

@@ -83,6 +83,8 @@ def test_covering_set_covers_every_value():
     assert {v.config.transposed for v in covering_variants() if v.kernel == "compute_out"} == {
         False, True}
     assert {v.config.latency for v in covering_variants() if v.kernel == "compute_out"} == {0, 2}
+    assert {v.config.out_transposed for v in covering_variants()
+            if v.kernel == "scan_out"} == {False, True}
     assert {v.config.occupancy for v in covering_variants()
             if v.kernel == "compute_out"} >= {2, 3, 4}
     for kernel in ("compute_out", "chunk_state"):

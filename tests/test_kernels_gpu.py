@@ -432,17 +432,20 @@ def test_missing_tileiras_raises_clear_error(monkeypatch):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("initial_states, D, z, p_block, shared_scores, step",
-                         [(False, None, False, 64, True, 1), (True, "head", True, 64, True, 1),
-                          (True, "channel", False, 32, False, 1), (True, "head", True, 64, True, 2),
-                          (False, None, False, 32, True, 2)])
+@pytest.mark.parametrize("initial_states, D, z, p_block, shared_scores, step, transposed", [
+    (False, None, False, 64, True, 1, False), (True, "head", True, 64, True, 1, False),
+    (True, "channel", False, 32, False, 1, False), (True, "head", True, 64, True, 2, False),
+    (False, None, False, 32, True, 2, False), (False, None, False, 64, True, 1, True),
+    (True, "head", True, 64, True, 1, True), (True, "channel", False, 32, False, 2, True)])
 def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_block,
-                                                       shared_scores, step):
+                                                       shared_scores, step, transposed):
     """kernels/scan_out.py at configurations the dispatcher does and does not pick, on inputs
     at chunk 64, over 15 chunks, the last partial: out and the final states agree with the fused
     scan and compute_out to bf16 roundings (the same products; h reaches the output's MMA in
     registers, rounded there as the stored bf16 state is). Two chunks a step (with 8 worker
-    warps, where they do not spill) leave the 16th chunk past the end."""
+    warps, where they do not spill) leave the 16th chunk past the end. Out computed transposed
+    (``ScanOutConfig.out_transposed``) also with D, z, its own scores and two chunks a step,
+    which the dispatcher does not pair it with."""
     from dataclasses import replace
     from kernels.scan_out import ScanOutConfig, scan_out
     from kernels.ssd import stage_pipeline
@@ -459,7 +462,7 @@ def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_b
     d = None if D is None else problem.D.to(torch.float32).reshape(64, -1).expand(64, 64)
     cfg = ScanOutConfig(p_block=p_block, has_start=initial_states, has_d=D is not None, has_z=z,
                         shared_scores=shared_scores, chunks_per_step=step,
-                        worker_warps=8 if step == 2 else None)
+                        worker_warps=8 if step == 2 else None, out_transposed=transposed)
     out, final = scan_out(problem.x, problem.B, problem.C, dt, cumsum, problem.initial_states,
                           d.contiguous() if d is not None else None, problem.z, cfg)
     for name, a, b in (("out", out, ref), ("final_states", final, final_states)):
@@ -587,7 +590,9 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
     ("b_latency", "bf16", 1, 16400, 48, 128, "channel", False, False),
     ("b_latency", "bf16", 1, 16400, 64, 128, None, False, True),
     ("b_latency", "bf16", 1, 16400, 48, 256, "channel", False, False),
-    ("b_latency", "fp16", 2, 2048, 64, 128, "head", False, True)])
+    ("b_latency", "fp16", 2, 2048, 64, 128, "head", False, True),
+    ("out_transposed", "bf16", 4, 2048, 64, 128, None, False, False),
+    ("out_transposed", "bf16", 8, 1100, 64, 128, None, False, False)])
 def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
         knob, dtype, batch, seqlen, nheads, dstate, D, z, final_states):
     """Walks from initial states with the knobs that move no arithmetic as dispatched and off:
@@ -596,9 +601,11 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
     blocks an SM and one) and x's latency hint (``ssd.walk_x_latency``; out alone one block an
     SM, final states paired) and B's (``ssd.walk_b_latency``; split in two segments one block
     an SM, out alone with D per channel at dstate 128 and 256 and with final states; fp16
-    returning final states one block an SM): out and final states equal bit for bit either way
-    in each of four runs (``MAMBA2_CUTILE_HINT_RUNS`` sets how many), and the dispatched walk
-    held to the rule against float64."""
+    returning final states one block an SM) and out computed transposed
+    (``ssd.walk_out_transposed``; out alone paired, 2,048 tokens and 1,100, a chunk's part last):
+    out and final states equal bit for bit either way in each of four runs
+    (``MAMBA2_CUTILE_HINT_RUNS`` sets how many), and the dispatched walk held to the rule
+    against float64."""
     from dataclasses import replace as changed
 
     from kernels.gpu_check import check_problem
@@ -606,7 +613,7 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
                              stage_pipeline)
     b_hint = WALK_B_LATENCY if dtype == "bf16" else WALK_B_LATENCY_FP16_STATES
     dispatched, off = {"update_early": (True, False), "x_latency": (WALK_X_LATENCY, 0),
-                       "b_latency": (b_hint, 0)}[knob]
+                       "b_latency": (b_hint, 0), "out_transposed": (True, False)}[knob]
     spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=dstate,
                        ngroups=1, chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D=D, z=z,
                        initial_states=True, return_final_states=final_states)

@@ -141,7 +141,7 @@ def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
     assert (plan.scan_out.chunk_size, plan.scan_out.p_block, plan.scan_out.n_pad) == (64, 64, 128)
     assert plan.scan_out.occupancy == 2
     assert ssd.make_plan(replace(fused, batch=2)).scan_out == replace(
-        plan.scan_out, occupancy=None, x_latency=ssd.WALK_X_LATENCY)
+        plan.scan_out, occupancy=None, x_latency=ssd.WALK_X_LATENCY, out_transposed=False)
     small_state = ssd.make_plan(replace(fused, dstate=64))
     assert [name for name, _ in small_state.named_configs()] == ["chunk_cumsum", "scan_out"]
     assert ssd.make_plan(replace(fused, has_d=True)).scan_out.has_d
@@ -312,6 +312,27 @@ def test_the_split_walk_one_block_an_sm_hints_bs_load_latency_where_the_h200_ran
     alone = ssd.make_plan(replace(fused, batch=4, seqlen=8192, nheads=32, ngroups=8)).scan_out
     assert (alone.segmented, alone.occupancy, alone.b_latency) == (False, None, 0)
     assert ssd.make_plan(fused).scan_out.b_latency == 0
+
+
+def test_the_paired_walk_out_alone_computes_out_transposed_where_the_h200_ran_it_faster():
+    """bf16 walks of out two blocks an SM that read the shared scores and update the state last
+    compute out transposed (``ssd.walk_out_transposed``); with final states (the early update),
+    D or z, their own scores (dstate 64), one block an SM, split, fp16 and the states-only walk
+    keep out's orientation."""
+    fused = replace(anchor_key(), chunk_size=64, states_returned=False)
+    plan = ssd.make_plan(fused)
+    assert (plan.scan_out.occupancy, plan.scan_out.shared_scores) == (2, True)
+    assert plan.scan_out.out_transposed
+    assert ssd.make_plan(replace(fused, batch=8, seqlen=1024, nheads=64,
+                                 ngroups=8)).scan_out.out_transposed
+    for other in (dict(states_returned=True), dict(has_d=True), dict(z_dtype=bf16),
+                  dict(dstate=64), dict(batch=4, seqlen=8192, nheads=32, ngroups=8),
+                  dict(x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)):
+        walk = ssd.make_plan(replace(fused, **other)).scan_out
+        assert walk is not None and not walk.out_transposed, other
+    split = ssd.make_plan(replace(fused, batch=1, seqlen=131072, nheads=32))
+    assert split.walk_segments > 1 and split.scan_out.occupancy == 2
+    assert not split.scan_out.out_transposed and not split.segment_states.out_transposed
 
 
 def test_fp16_walks_with_final_states_one_block_an_sm_hint_bs_load_latency_at_dstate_128():
