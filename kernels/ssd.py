@@ -809,8 +809,9 @@ def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: b
 # blocks an SM, with the shared scores, 0.964-0.980x the time at six shapes (the first anchor
 # 0.972x and 0.973x in two runs, 0.3516 -> 0.3416 ms; 8 rows of 1,024 and 16,384 tokens, 4 of
 # 4,096, headdim 128, 8 groups). Not taken: one block an SM (1.27x at (2, 16384, 64 heads),
-# 1.36x at the second anchor, 1.33x in the third's split walk; 160-240 bytes spilled on sm_90),
-# its own scores (dstate 64, 1.065x) and with the early update (1.016-1.041x).
+# 1.36x at the second anchor, 1.33x in the third's split walk; 160-240 bytes spilled on sm_90,
+# none with 8 worker warps, which lost more: 1.40-1.69x, 1.19-1.68x in out's orientation), its
+# own scores (dstate 64, 1.065x) and with the early update (1.016-1.041x).
 
 
 def walk_out_transposed(mode: str, occupancy: Optional[int], shared_scores: bool,
