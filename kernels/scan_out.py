@@ -56,8 +56,9 @@ Orientation (``out_transposed``): out^T (P_BLOCK, CHUNK) per chunk, h . C_c^T an
 stored transposed back. On sm_90 the state is then the entering term's MMA operand straight from
 registers, where out's own orientation copies h^T to shared memory and fences it before each
 step's first MMA; W^T, half its bytes, is copied instead. The same products: outs bit-equal on
-the H200, and paired out alone with the shared scores 0.964-0.980x the time
-(``kernels.ssd.walk_out_transposed``, where the figures and the walks that lost are).
+the H200, and paired out alone with the shared scores 0.964-0.980x the time, with D
+0.914-0.951x (``kernels.ssd.walk_out_transposed``, where the figures and the walks that lost
+are).
 
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third

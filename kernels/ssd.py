@@ -808,19 +808,21 @@ def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: b
 # outs equal bit for bit (experiments/ab_walk_out_transposed_991db3f.txt): bf16 out alone, two
 # blocks an SM, with the shared scores, 0.964-0.980x the time at six shapes (the first anchor
 # 0.972x and 0.973x in two runs, 0.3516 -> 0.3416 ms; 8 rows of 1,024 and 16,384 tokens, 4 of
-# 4,096, headdim 128, 8 groups). Not taken: one block an SM (1.27x at (2, 16384, 64 heads),
-# 1.36x at the second anchor, 1.33x in the third's split walk; 160-240 bytes spilled on sm_90,
-# none with 8 worker warps, which lost more: 1.40-1.69x, 1.19-1.68x in out's orientation), its
-# own scores (dstate 64, 1.065x) and with the early update (1.016-1.041x).
+# 4,096, headdim 128, 8 groups), with D 0.914-0.931x per channel and 0.945-0.951x per head at
+# three of them (the first anchor's walk with D per channel 0.4037 -> 0.3703 ms). Not taken:
+# with z (1.048x, 1.053x; with D too 1.007x, 1.010x), one block an SM (1.27x at (2, 16384, 64
+# heads), 1.36x at the second anchor, 1.33x in the third's split walk; 160-240 bytes spilled on
+# sm_90, none with 8 worker warps, which lost more: 1.40-1.69x, 1.19-1.68x in out's
+# orientation), its own scores (dstate 64, 1.065x) and with the early update (1.016-1.041x).
 
 
 def walk_out_transposed(mode: str, occupancy: Optional[int], shared_scores: bool,
-                        update_early: bool, has_d: bool, has_z: bool) -> bool:
+                        update_early: bool, has_z: bool) -> bool:
     """Whether the walk of out computes out transposed (``ScanOutConfig.out_transposed``): in
-    'input' (bf16) two blocks an SM, reading the shared scores, updating the state last, without
-    D and z (not timed with them)."""
+    'input' (bf16) two blocks an SM, reading the shared scores, updating the state last, with D
+    or without, without z."""
     return (mode == "input" and occupancy == 2 and shared_scores and not update_early
-            and not has_d and not has_z)
+            and not has_z)
 
 
 # The split walk's states-only walk backward (``ScanOutConfig.backward``: chunks last to first,
@@ -1032,7 +1034,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              b_latency=walk_b_latency(mode, n_pad, occupancy, split,
                                                        walk_states_mode),
                              out_transposed=walk_out_transposed(
-                                 mode, occupancy, shared_scores, early, key.has_d,
+                                 mode, occupancy, shared_scores, early,
                                  key.z_dtype is not None))
         if split:
             # The segments but the last, in parts, their state alone from zero.

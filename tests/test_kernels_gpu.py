@@ -592,7 +592,9 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
     ("b_latency", "bf16", 1, 16400, 48, 256, "channel", False, False),
     ("b_latency", "fp16", 2, 2048, 64, 128, "head", False, True),
     ("out_transposed", "bf16", 4, 2048, 64, 128, None, False, False),
-    ("out_transposed", "bf16", 8, 1100, 64, 128, None, False, False)])
+    ("out_transposed", "bf16", 8, 1100, 64, 128, None, False, False),
+    ("out_transposed", "bf16", 4, 2048, 64, 128, "head", False, False),
+    ("out_transposed", "bf16", 4, 1100, 64, 128, "channel", False, False)])
 def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
         knob, dtype, batch, seqlen, nheads, dstate, D, z, final_states):
     """Walks from initial states with the knobs that move no arithmetic as dispatched and off:
@@ -602,7 +604,8 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
     SM, final states paired) and B's (``ssd.walk_b_latency``; split in two segments one block
     an SM, out alone with D per channel at dstate 128 and 256 and with final states; fp16
     returning final states one block an SM) and out computed transposed
-    (``ssd.walk_out_transposed``; out alone paired, 2,048 tokens and 1,100, a chunk's part last):
+    (``ssd.walk_out_transposed``; out alone paired, 2,048 tokens and 1,100, a chunk's part last,
+    without D, with D per head and per channel):
     out and final states equal bit for bit either way in each of four runs
     (``MAMBA2_CUTILE_HINT_RUNS`` sets how many), and the dispatched walk held to the rule
     against float64."""

@@ -316,16 +316,18 @@ def test_the_split_walk_one_block_an_sm_hints_bs_load_latency_where_the_h200_ran
 
 def test_the_paired_walk_out_alone_computes_out_transposed_where_the_h200_ran_it_faster():
     """bf16 walks of out two blocks an SM that read the shared scores and update the state last
-    compute out transposed (``ssd.walk_out_transposed``); with final states (the early update),
-    D or z, their own scores (dstate 64), one block an SM, split, fp16 and the states-only walk
-    keep out's orientation."""
+    compute out transposed (``ssd.walk_out_transposed``), with D or without; with final states
+    (the early update), z, their own scores (dstate 64), one block an SM, split, fp16 and the
+    states-only walk keep out's orientation."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
     assert (plan.scan_out.occupancy, plan.scan_out.shared_scores) == (2, True)
     assert plan.scan_out.out_transposed
     assert ssd.make_plan(replace(fused, batch=8, seqlen=1024, nheads=64,
                                  ngroups=8)).scan_out.out_transposed
-    for other in (dict(states_returned=True), dict(has_d=True), dict(z_dtype=bf16),
+    assert ssd.make_plan(replace(fused, has_d=True)).scan_out.out_transposed
+    for other in (dict(states_returned=True), dict(z_dtype=bf16),
+                  dict(has_d=True, z_dtype=bf16),
                   dict(dstate=64), dict(batch=4, seqlen=8192, nheads=32, ngroups=8),
                   dict(x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)):
         walk = ssd.make_plan(replace(fused, **other)).scan_out
