@@ -808,8 +808,9 @@ def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: b
 # outs equal bit for bit (experiments/ab_walk_out_transposed_991db3f.txt): bf16 out alone, two
 # blocks an SM, with the shared scores, 0.964-0.980x the time at six shapes (the first anchor
 # 0.972x and 0.973x in two runs, 0.3516 -> 0.3416 ms; 8 rows of 1,024 and 16,384 tokens, 4 of
-# 4,096, headdim 128, 8 groups), with D 0.914-0.931x per channel and 0.945-0.951x per head at
-# three of them (the first anchor's walk with D per channel 0.4037 -> 0.3703 ms). Not taken:
+# 4,096, headdim 128, 8 groups), and at 5e68434 with D 0.914-0.931x per channel and
+# 0.945-0.951x per head at three of them (the first anchor's walk with D per channel 0.4037 ->
+# 0.3703 ms). Not taken:
 # with z (1.048x, 1.053x; with D too 1.007x, 1.010x), one block an SM (1.27x at (2, 16384, 64
 # heads), 1.36x at the second anchor, 1.33x in the third's split walk; 160-240 bytes spilled on
 # sm_90, none with 8 worker warps, which lost more: 1.40-1.69x, 1.19-1.68x in out's
