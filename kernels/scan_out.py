@@ -50,7 +50,14 @@ rule takes, 0.998-1.003x at the other 4 (``kernels.ssd.walk_updates_early``); ou
 unsplit it gained nothing. A latency hint on x's load (``x_latency``) changes that buffering
 (``kernels.ssd.walk_x_latency``: 0.82-0.87x out alone one block an SM at dstate 128), and one on
 B's (``b_latency``) the split walk's one block an SM and fp16's returning final states one an SM
-(``kernels.ssd.walk_b_latency``: 0.86-0.90x, 0.84-0.96x).
+(``kernels.ssd.walk_b_latency``: 0.86-0.90x, 0.84-0.96x). With the state update last, B's load
+is the step's last (``B_LAST``), so that no load queues behind B's buffer (sm_90, the first
+anchor's walk: the same registers, 8 bytes more shared memory; its producer warp waits on three
+barriers a step where it waited on two). On the H200, outs bit-equal, paired 0.978-0.992x the
+time at the first anchor, 8 x 1,024 and 4 x 4,096 tokens, headdim 128 0.995x, with D per
+channel 0.982x, with D and z 0.988x; one block an SM 0.999-1.003x, fp16 1.001-1.002x, float32
+1.000x (experiments/ab_walk_b_last_50ae83a.txt). With the early update B last lost (returning
+final states 1.014x and 1.071x): there B keeps its place.
 
 Orientation (``out_transposed``): out^T (P_BLOCK, CHUNK) per chunk, h . C_c^T and x_c^T . W^T,
 stored transposed back. On sm_90 the state is then the entering term's MMA operand straight from
@@ -102,8 +109,8 @@ ZERO = ct.PaddingMode.ZERO
 @ct.function
 def step_rows(array, batch, step, head, p_block, ROWS: ct.Constant[int],
               P_BLOCK: ct.Constant[int], LATENCY: ct.Constant[int]):
-    """One step's (ROWS, P_BLOCK) rows of x or z (b, L, H, P), zero past the end; LATENCY the
-    load's hint (0: the compiler's)."""
+    """One step's (ROWS, P_BLOCK) rows of x or z (b, L, H, P), or of B (b, L, G, N) with head
+    the group and P_BLOCK N, zero past the end; LATENCY the load's hint (0: the compiler's)."""
     return ct.load(array, (batch, step, head, p_block), shape=(1, ROWS, 1, P_BLOCK),
                    padding_mode=ZERO, latency=latency_hint(LATENCY)).reshape((ROWS, P_BLOCK))
 
@@ -153,6 +160,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
     # at dstate 256 with final states on sm_90, where the load spills none
     # (experiments/ab_walk_x_once_6c67a8c.txt).
     X_COLS_LOADED = not OUT or SEGMENTED or N_PAD > 128
+    B_LAST = OUT and not UPDATE_EARLY
     # BACKWARD (states alone): the steps last to first, each chunk's increment decayed to the
     # walk's end (``add_state_backward``), the decay of the chunks after it summed as it goes.
     later_hi = ct.zeros((1,), dtype=ct.float32)
@@ -168,9 +176,9 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         if OUT:
             C_all = ct.load(C, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
                             padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
-        B_all = ct.load(B, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
-                        padding_mode=ZERO, latency=latency_hint(B_LATENCY)).reshape(
-                            (STEP * CHUNK, N_PAD))
+        # B's load goes last where the state update does (B_LAST: 'Step order' above).
+        if not B_LAST:
+            B_all = step_rows(B, batch, step, group, 0, STEP * CHUNK, N_PAD, B_LATENCY)
         if OUT and not UPDATE_EARLY:
             x_all = step_rows(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, X_LATENCY)
         if X_COLS_LOADED:
@@ -185,6 +193,8 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         if SHARED_SCORES and OUT:
             s_all = ct.load(scores, (batch, step, group, 0, 0),
                             shape=(1, STEP, 1, CHUNK, CHUNK), padding_mode=ZERO)
+        if B_LAST:
+            B_all = step_rows(B, batch, step, group, 0, STEP * CHUNK, N_PAD, B_LATENCY)
         # UPDATE_EARLY: x's load last. On sm_90 the compiler's producer warp issues a step's loads
         # in this order, each behind the release of its buffer by the step before; x's is
         # released last (the chunk's own term), so the loads ahead of it go early.
