@@ -50,14 +50,15 @@ rule takes, 0.998-1.003x at the other 4 (``kernels.ssd.walk_updates_early``); ou
 unsplit it gained nothing. A latency hint on x's load (``x_latency``) changes that buffering
 (``kernels.ssd.walk_x_latency``: 0.82-0.87x out alone one block an SM at dstate 128), and one on
 B's (``b_latency``) the split walk's one block an SM and fp16's returning final states one an SM
-(``kernels.ssd.walk_b_latency``: 0.86-0.90x, 0.84-0.96x). With the state update last, B's load
-is the step's last (``B_LAST``), so that no load queues behind B's buffer (sm_90, the first
-anchor's walk: the same registers, 8 bytes more shared memory; its producer warp waits on three
-barriers a step where it waited on two). On the H200, outs bit-equal, paired 0.978-0.992x the
-time at the first anchor, 8 x 1,024 and 4 x 4,096 tokens, headdim 128 0.995x, with D per
-channel 0.982x, with D and z 0.988x; one block an SM 0.999-1.003x, fp16 1.001-1.002x, float32
-1.000x (experiments/ab_walk_b_last_50ae83a.txt). With the early update B last lost (returning
-final states 1.014x and 1.071x): there B keeps its place.
+(``kernels.ssd.walk_b_latency``: 0.86-0.90x, 0.84-0.96x). With the state update last and no z,
+B's load is the step's last (``B_LAST``), so that fewer loads queue behind B's buffer (sm_90,
+the first anchor's walk: the same registers, 8 bytes more shared memory; its producer warp waits
+on three barriers a step where it waited on two). On the H200, outs equal, paired 0.978-0.998x
+the time (the first anchor 0.989-0.992x in three runs, 8 x 1,024 and 4 x 4,096 tokens, headdim
+128 0.995x, with D per channel 0.982x and 0.987x), one block an SM 0.999-1.003x, fp16
+1.001-1.003x, float32 1.000x (experiments/ab_walk_b_last_50ae83a.txt). Not taken: with the
+early update (returning final states 1.014x and 1.071x) and with z (D and z 0.988x in one run,
+with z loaded after B; z alone untimed), so those walks keep their order.
 
 Orientation (``out_transposed``): out^T (P_BLOCK, CHUNK) per chunk, h . C_c^T and x_c^T . W^T,
 stored transposed back. On sm_90 the state is then the entering term's MMA operand straight from
@@ -160,7 +161,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
     # at dstate 256 with final states on sm_90, where the load spills none
     # (experiments/ab_walk_x_once_6c67a8c.txt).
     X_COLS_LOADED = not OUT or SEGMENTED or N_PAD > 128
-    B_LAST = OUT and not UPDATE_EARLY
+    B_LAST = OUT and not UPDATE_EARLY and not HAS_Z
     # BACKWARD (states alone): the steps last to first, each chunk's increment decayed to the
     # walk's end (``add_state_backward``), the decay of the chunks after it summed as it goes.
     later_hi = ct.zeros((1,), dtype=ct.float32)
@@ -176,7 +177,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         if OUT:
             C_all = ct.load(C, (batch, step, group, 0), shape=(1, STEP * CHUNK, 1, N_PAD),
                             padding_mode=ZERO).reshape((STEP * CHUNK, N_PAD))
-        # B's load goes last where the state update does (B_LAST: 'Step order' above).
+        # B's load goes last where the state update does, without z (B_LAST: 'Step order').
         if not B_LAST:
             B_all = step_rows(B, batch, step, group, 0, STEP * CHUNK, N_PAD, B_LATENCY)
         if OUT and not UPDATE_EARLY:
