@@ -105,6 +105,12 @@ from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos
                               silu_gated)
 
 ZERO = ct.PaddingMode.ZERO
+# The shared scores' launch with cuTile's occupancy hint 2. On sm_90 it compiles to the same
+# machine code as without (161 registers, 50 KB of shared memory at dstate 128), so the hint
+# works on the launch (how many blocks an SM holds), not on the code: on the H200 the scores
+# 0.80x, 0.74x and 0.88x the time at the first and third anchors and at dstate 256, bit-equal;
+# 3 no better (experiments/ab_scores_occupancy_3739255.txt).
+SCORES_OCCUPANCY = 2
 
 
 @ct.function
@@ -343,7 +349,8 @@ class ScanOutConfig(KernelVariant):
         return ChunkScoresConfig(x_dtype=self.x_dtype, b_dtype=self.b_dtype,
                                  c_dtype=self.c_dtype, chunk_size=self.chunk_size,
                                  row_block=self.chunk_size, n_pad=self.n_pad,
-                                 precision=self.precision, wide=self.wide)
+                                 precision=self.precision, wide=self.wide,
+                                 occupancy=SCORES_OCCUPANCY)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
