@@ -57,8 +57,9 @@ on three barriers a step where it waited on two). On the H200, outs equal, paire
 the time (the first anchor 0.989-0.992x in three runs, 8 x 1,024 and 4 x 4,096 tokens, headdim
 128 0.995x, with D per channel 0.982x and 0.987x), one block an SM 0.999-1.003x, fp16
 1.001-1.003x, float32 1.000x (experiments/ab_walk_b_last_50ae83a.txt). Not taken: with the
-early update (returning final states 1.014x and 1.071x) and with z (D and z 0.988x in one run,
-with z loaded after B; z alone untimed), so those walks keep their order.
+early update (returning final states 1.014x and 1.071x) and with z (z alone 1.011x and 0.999x,
+D and z 0.984x, D per channel and z 0.994x; experiments/ab_walk_arms_3739255.txt), so those
+walks keep their order.
 
 Orientation (``out_transposed``): out^T (P_BLOCK, CHUNK) per chunk, h . C_c^T and x_c^T . W^T,
 stored transposed back. On sm_90 the state is then the entering term's MMA operand straight from
@@ -108,8 +109,9 @@ ZERO = ct.PaddingMode.ZERO
 # The shared scores' launch with cuTile's occupancy hint 2. On sm_90 it compiles to the same
 # machine code as without (161 registers, 50 KB of shared memory at dstate 128), so the hint
 # works on the launch (how many blocks an SM holds), not on the code: on the H200 the scores
-# 0.80x, 0.74x and 0.88x the time at the first and third anchors and at dstate 256, bit-equal;
-# 3 no better (experiments/ab_scores_occupancy_3739255.txt).
+# 0.80x, 0.74x and 0.88x the time at the first and third anchors and at dstate 256, bit-equal
+# (the forward 0.993x, 0.991x and, with 8 groups' scores, 0.943x); 3 no better at dstate 256
+# (experiments/ab_scores_occupancy_3739255.txt).
 SCORES_OCCUPANCY = 2
 
 
