@@ -110,8 +110,8 @@ ZERO = ct.PaddingMode.ZERO
 # registers a thread, no spill, where without the hint it takes 255 and one block an SM (ncu on
 # the H200: theoretical occupancy 12.5% -> 25%). On the H200 the scores took 0.80x, 0.74x and
 # 0.88x the time at the first and third anchors and at dstate 256, bit-equal (the forward
-# 0.993x, 0.991x and, with 8 groups' scores, 0.943x); 3 (80 registers) no better at dstate 256
-# (experiments/ab_scores_occupancy_3739255.txt).
+# 0.993x, 0.991x and, with 8 groups' scores, 0.943x). 3 (80 registers at dstate 128, 255 at
+# 256) was slower at dstate 256 (experiments/ab_scores_occupancy_3739255.txt).
 SCORES_OCCUPANCY = 2
 
 
