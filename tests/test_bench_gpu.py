@@ -141,4 +141,7 @@ def test_bench_run_end_to_end(tmp_path):
             assert row["error"]["rounding_floor_ratio"] <= SAME_PROBLEM_FLOOR_RATIO, (name, row)
     assert record["peak_memory_bytes"] < 20e9
     written = bench.write_outputs(doc, tmp_path)
-    assert {p.name for p in written} == {"bench.json", "bench.txt", "bench_scaling.png"}
+    # Every run draws its shapes (ours' stages beside each peer), a scaling shape the scaling.
+    assert {p.name for p in written} == {"bench.json", "bench.txt", "bench_shapes.png",
+                                         "bench_scaling.png"}
+    assert all(p.stat().st_size > 0 for p in written)
