@@ -190,6 +190,18 @@ STATE_SCAN_MIN_BLOCKS = 128
 # experiments/ab_own_scores_6a2f034.txt).
 SCAN_OUT_MIN_ROW_HEADS = 128
 SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
+# Above dstate 64 the walk of out reads the shared scores, unless few of its blocks read each
+# group's tile (``walk_shares_scores``): heads per group times P blocks up to
+# WALK_OWN_SCORES_MAX_READERS, out alone at dstate 128, unsplit, two blocks an SM, or one
+# without D and z. There the scores kernel's (b, L, G, Q) tiles cost more than one more MMA a
+# step. On the H200 at 662371b, outs equal bit for bit (experiments/
+# ab_walk_own_scores_662371b.txt), 8 readers: two blocks an SM in bf16 0.957-0.989x the time
+# at five shapes (8 x 4096 x 64 heads in 8 groups 0.969x), with D per head 0.933x, per channel
+# 0.966x, z 0.946x, both 0.930x (``walk_out_transposed`` as changed with them); one block an SM
+# 0.880-0.891x at three, fp16 0.860x and 0.884x. Lost: one block an SM with D (1.145x, 1.275x)
+# or z (1.230x), split in segments (1.116x, 1.142x), dstate 256 (1.130x), 16 readers (8 groups
+# at headdim 128 1.027x, 4 groups 1.026x), 32 (1.052x), 64 (the first anchor, 1.061-1.069x).
+WALK_OWN_SCORES_MAX_READERS = 8
 # dstate 256 walks in 'input' (bf16) only, one block an SM. On the H200 against the fused scan
 # and compute_out out alone 0.465-0.909x at ten shapes (0.621x at 8 x 4096 x 64 heads, 0.85x at
 # one row of 65,536 tokens split in two segments), with final states 0.528-0.581x chunk 256
@@ -539,6 +551,21 @@ def shares_scores(key: ProblemKey) -> bool:
     return key.nheads // key.ngroups >= SHARED_SCORES_MIN_HEADS
 
 
+def walk_shares_scores(key: ProblemKey, mode: str, n_pad: int, p_blocks: int,
+                       occupancy: Optional[int], segments: int) -> bool:
+    """Whether the walk of out reads kernels/chunk_scores.py's tiles (``shares_scores``, above
+    dstate SCAN_OUT_OWN_SCORES_MAX_DSTATE) rather than computing C_c . B_c^T itself: not where
+    at most WALK_OWN_SCORES_MAX_READERS of its blocks (heads per group x ``p_blocks``) would read
+    each tile, out alone at dstate 128 in 'input' or '2xfp16', unsplit, two blocks an SM or one
+    without D and z."""
+    if not shares_scores(key) or n_pad <= SCAN_OUT_OWN_SCORES_MAX_DSTATE:
+        return False
+    few_readers = key.nheads // key.ngroups * p_blocks <= WALK_OWN_SCORES_MAX_READERS
+    return not (few_readers and n_pad == 128 and segments == 1 and not key.states_returned
+                and mode in ("input", "2xfp16")
+                and (occupancy == 2 or (not key.has_d and key.z_dtype is None)))
+
+
 def tuning_key(key: ProblemKey, mode: str) -> dict:
     """What kernels/tuned.json's entries match on: the padded tile extents, chunk, dtype, mode,
     and whether the scores are shared (a different kernel, with its own best tiles)."""
@@ -815,15 +842,21 @@ def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: b
 # heads), 1.36x at the second anchor, 1.33x in the third's split walk; 160-240 bytes spilled on
 # sm_90, none with 8 worker warps, which lost more: 1.40-1.69x, 1.19-1.68x in out's
 # orientation), its own scores (dstate 64, 1.065x) and with the early update (1.016-1.041x).
+# With its own scores at dstate 128 (662371b, ``walk_shares_scores`` above) the walk paired
+# computes out transposed without D, with z or not: 4 readers 0.901x the time of out's
+# orientation, 8 readers 0.885x (0.969 / 1.095), with z 0.914x (0.946 / 1.035); with D it keeps
+# out's orientation (8 readers: transposed 1.063x per head, 1.038x per channel, 1.025x with z).
 
 
-def walk_out_transposed(mode: str, occupancy: Optional[int], shared_scores: bool,
-                        update_early: bool, has_z: bool) -> bool:
+def walk_out_transposed(mode: str, occupancy: Optional[int], shared_scores: bool, n_pad: int,
+                        update_early: bool, has_d: bool, has_z: bool) -> bool:
     """Whether the walk of out computes out transposed (``ScanOutConfig.out_transposed``): in
-    'input' (bf16) two blocks an SM, reading the shared scores, updating the state last, with D
-    or without, without z."""
-    return (mode == "input" and occupancy == 2 and shared_scores and not update_early
-            and not has_z)
+    'input' (bf16) two blocks an SM, updating the state last, reading the shared scores without
+    z (with D or without), or computing its own above dstate SCAN_OUT_OWN_SCORES_MAX_DSTATE
+    without D (with z or without)."""
+    if mode != "input" or occupancy != 2 or update_early:
+        return False
+    return not has_z if shared_scores else n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE and not has_d
 
 
 # The split walk's states-only walk backward (``ScanOutConfig.backward``: chunks last to first,
@@ -1020,7 +1053,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
         # Split, every segment starts from a float32 state (the first from the call's own).
         split = segments > 1
         early = walk_updates_early(key, mode, walk_states_mode, segments)
-        shared_scores = shares_scores(key) and n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE
+        shared_scores = walk_shares_scores(key, mode, n_pad, -(-p_pad // p_block), occupancy,
+                                           segments)
         walk = ScanOutConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
                              z_dtype=key.z_dtype or key.x_dtype,
                              start_dtype=f32 if split else key.start_dtype or f32,
@@ -1035,7 +1069,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              b_latency=walk_b_latency(mode, n_pad, occupancy, split,
                                                        walk_states_mode),
                              out_transposed=walk_out_transposed(
-                                 mode, occupancy, shared_scores, early,
+                                 mode, occupancy, shared_scores, n_pad, early, key.has_d,
                                  key.z_dtype is not None))
         if split:
             # The segments but the last, in parts, their state alone from zero.

@@ -121,6 +121,11 @@ COVERING_KEYS = (
                        ("d-per-channel", dict(has_d=True, d_per_channel=True)),
                        ("z-d-per-channel", dict(has_d=True, d_per_channel=True, z_dtype=bf16)),
                        ("n64", dict(dstate=64)))),
+    # 64 heads in 8 groups: the walk's own scores where 8 blocks read each group's tile
+    # (kernels.ssd.walk_shares_scores), out transposed without D, in out's orientation with it.
+    *((f"anchor-b8-L4096-h64-g8-q64-out-only-fused{name}",
+       replace(_anchor(8, 4096, 64, 8), chunk_size=64, states_returned=False, **kw), None, None)
+      for name, kw in (("", {}), ("-d", dict(has_d=True)))),
     ("anchor-b2-L4096-h64-q64-out-only-fused-z-d-per-channel",
      replace(_anchor(2, 4096, 64, 1, has_d=True, d_per_channel=True, z_dtype=bf16),
              chunk_size=64, states_returned=False), None, None),

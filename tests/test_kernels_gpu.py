@@ -594,7 +594,11 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
     ("out_transposed", "bf16", 4, 2048, 64, 128, None, False, False),
     ("out_transposed", "bf16", 8, 1100, 64, 128, None, False, False),
     ("out_transposed", "bf16", 4, 2048, 64, 128, "head", False, False),
-    ("out_transposed", "bf16", 4, 1100, 64, 128, "channel", False, False)])
+    ("out_transposed", "bf16", 4, 1100, 64, 128, "channel", False, False),
+    ("shared_scores", "bf16", 4, 2048, 64, 128, None, False, False),
+    ("shared_scores", "bf16", 4, 1100, 64, 128, "head", True, False),
+    ("shared_scores", "bf16", 2, 2048, 64, 128, None, False, False),
+    ("shared_scores", "fp16", 2, 1100, 64, 128, None, False, False)])
 def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
         knob, dtype, batch, seqlen, nheads, dstate, D, z, final_states):
     """Walks from initial states with the knobs that move no arithmetic as dispatched and off:
@@ -605,7 +609,9 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
     an SM, out alone with D per channel at dstate 128 and 256 and with final states; fp16
     returning final states one block an SM) and out computed transposed
     (``ssd.walk_out_transposed``; out alone paired, 2,048 tokens and 1,100, a chunk's part last,
-    without D, with D per head and per channel):
+    without D, with D per head and per channel) and the walk's own scores where 8 blocks read
+    each group's tile (``ssd.walk_shares_scores``, 64 heads in 8 groups; paired without D and
+    with D and z, one block an SM in bf16 and fp16), against the shared scores' kernel:
     out and final states equal bit for bit either way in each of four runs
     (``MAMBA2_CUTILE_HINT_RUNS`` sets how many), and the dispatched walk held to the rule
     against float64."""
@@ -616,9 +622,10 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
                              stage_pipeline)
     b_hint = WALK_B_LATENCY if dtype == "bf16" else WALK_B_LATENCY_FP16_STATES
     dispatched, off = {"update_early": (True, False), "x_latency": (WALK_X_LATENCY, 0),
-                       "b_latency": (b_hint, 0), "out_transposed": (True, False)}[knob]
+                       "b_latency": (b_hint, 0), "out_transposed": (True, False),
+                       "shared_scores": (False, True)}[knob]
     spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=dstate,
-                       ngroups=1, chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D=D, z=z,
+                       ngroups=8 if knob == "shared_scores" else 1, chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D=D, z=z,
                        initial_states=True, return_final_states=final_states)
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=final_states)

@@ -315,14 +315,21 @@ def test_the_split_walk_one_block_an_sm_hints_bs_load_latency_where_the_h200_ran
 
 
 def test_the_paired_walk_out_alone_computes_out_transposed_where_the_h200_ran_it_faster():
-    """bf16 walks of out two blocks an SM that read the shared scores and update the state last
-    compute out transposed (``ssd.walk_out_transposed``), with D or without; with final states
-    (the early update), z, their own scores (dstate 64), one block an SM, split, fp16 and the
+    """bf16 walks of out two blocks an SM that update the state last compute out transposed
+    (``ssd.walk_out_transposed``) reading the shared scores with D or without, or computing their
+    own at dstate 128 with z or without; with final states (the early update), z and the shared
+    scores, D and their own, their own at dstate 64, one block an SM, split, fp16 and the
     states-only walk keep out's orientation."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
     assert (plan.scan_out.occupancy, plan.scan_out.shared_scores) == (2, True)
     assert plan.scan_out.out_transposed
+    four_a_group = replace(fused, ngroups=16)
+    for changes, transposed in (({}, True), (dict(z_dtype=bf16), True),
+                                (dict(has_d=True), False)):
+        walk = ssd.make_plan(replace(four_a_group, **changes)).scan_out
+        assert (walk.occupancy, walk.shared_scores, walk.out_transposed) == (2, False,
+                                                                            transposed), changes
     assert ssd.make_plan(replace(fused, batch=8, seqlen=1024, nheads=64,
                                  ngroups=8)).scan_out.out_transposed
     assert ssd.make_plan(replace(fused, has_d=True)).scan_out.out_transposed
@@ -335,6 +342,30 @@ def test_the_paired_walk_out_alone_computes_out_transposed_where_the_h200_ran_it
     split = ssd.make_plan(replace(fused, batch=1, seqlen=131072, nheads=32))
     assert split.walk_segments > 1 and split.scan_out.occupancy == 2
     assert not split.scan_out.out_transposed and not split.segment_states.out_transposed
+
+
+def test_the_walk_computes_its_own_scores_where_few_blocks_read_each_groups_tile():
+    """Above dstate 64 the walk of out reads the shared scores unless at most
+    WALK_OWN_SCORES_MAX_READERS of its blocks (heads per group x P blocks) read each group's
+    tile (``ssd.walk_shares_scores``): out alone at dstate 128, unsplit, two blocks an SM (out
+    transposed without D) or one without D and z, in bf16 and fp16."""
+    fused = replace(anchor_key(), chunk_size=64, states_returned=False)
+    eight = replace(fused, ngroups=8)
+    for changes, transposed in (({}, True), (dict(z_dtype=bf16), True),
+                                (dict(has_d=True), False), (dict(has_d=True, z_dtype=bf16), False)):
+        walk = ssd.make_plan(replace(eight, **changes)).scan_out
+        assert (walk.occupancy, walk.shared_scores, walk.out_transposed) == (2, False,
+                                                                            transposed), changes
+    alone = replace(eight, batch=2, seqlen=16384)
+    fp16 = dict(x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)
+    for changes in ({}, fp16):
+        walk = ssd.make_plan(replace(alone, **changes)).scan_out
+        assert (walk.occupancy, walk.shared_scores, walk.out_transposed) == (None, False, False)
+    for shared in (fused, replace(eight, ngroups=4), replace(eight, headdim=128),
+                   replace(alone, has_d=True), replace(alone, z_dtype=bf16),
+                   replace(eight, batch=1, seqlen=65536), replace(eight, dstate=256),
+                   replace(eight, states_returned=True)):
+        assert ssd.make_plan(shared).scan_out.shared_scores, shared
 
 
 def test_fp16_walks_with_final_states_one_block_an_sm_hint_bs_load_latency_at_dstate_128():
