@@ -197,10 +197,12 @@ SCAN_OUT_OWN_SCORES_MAX_DSTATE = 64
 # step. On the H200 at 662371b, outs equal bit for bit (experiments/
 # ab_walk_own_scores_662371b.txt), 8 readers: two blocks an SM in bf16 0.957-0.989x the time
 # at five shapes (8 x 4096 x 64 heads in 8 groups 0.969x), with D per head 0.933x, per channel
-# 0.966x, z 0.946x, both 0.930x (``walk_out_transposed`` as changed with them); one block an SM
-# 0.880-0.891x at three, fp16 0.860x and 0.884x. Lost: one block an SM with D (1.145x, 1.275x)
-# or z (1.230x), split in segments (1.116x, 1.142x), dstate 256 (1.130x), 16 readers (8 groups
-# at headdim 128 1.027x, 4 groups 1.026x), 32 (1.052x), 64 (the first anchor, 1.061-1.069x).
+# 0.966x, z 0.946x, both 0.930x (``walk_out_transposed`` as changed with them); one block an
+# SM 0.880-0.891x at two shapes, fp16 0.860x and 0.884x. Lost: one block an SM with D (1.145x,
+# 1.275x) or z (1.230x), split in segments (1.116x, 1.142x), dstate 256 (1.130x), 16 readers
+# (8 groups at headdim 128 1.027x, 4 groups 1.026x), 32 (1.052x), 64 (the first anchor,
+# 1.061-1.069x). As dispatched at 02d4d8c, 0.862-0.971x the old dispatch's time at the 13
+# calls it changed there (same record).
 WALK_OWN_SCORES_MAX_READERS = 8
 # dstate 256 walks in 'input' (bf16) only, one block an SM. On the H200 against the fused scan
 # and compute_out out alone 0.465-0.909x at ten shapes (0.621x at 8 x 4096 x 64 heads, 0.85x at
