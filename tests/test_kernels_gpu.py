@@ -625,8 +625,9 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
                        "b_latency": (b_hint, 0), "out_transposed": (True, False),
                        "shared_scores": (False, True)}[knob]
     spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=dstate,
-                       ngroups=8 if knob == "shared_scores" else 1, chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D=D, z=z,
-                       initial_states=True, return_final_states=final_states)
+                       ngroups=8 if knob == "shared_scores" else 1, chunk_size=64,
+                       x_dtype=dtype, bc_dtype=dtype, D=D, z=z, initial_states=True,
+                       return_final_states=final_states)
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=final_states)
     assert getattr(pipeline.plan.scan_out, knob) == dispatched
