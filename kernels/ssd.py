@@ -553,16 +553,16 @@ def shares_scores(key: ProblemKey) -> bool:
     return key.nheads // key.ngroups >= SHARED_SCORES_MIN_HEADS
 
 
-def walk_shares_scores(key: ProblemKey, mode: str, n_pad: int, p_blocks: int,
-                       occupancy: Optional[int], segments: int) -> bool:
+def walk_shares_scores(key: ProblemKey, mode: str, n_pad: int, occupancy: Optional[int],
+                       segments: int) -> bool:
     """Whether the walk of out reads kernels/chunk_scores.py's tiles (``shares_scores``, above
     dstate SCAN_OUT_OWN_SCORES_MAX_DSTATE) rather than computing C_c . B_c^T itself: not where
-    at most WALK_OWN_SCORES_MAX_READERS of its blocks (heads per group x ``p_blocks``) would read
+    at most WALK_OWN_SCORES_MAX_READERS of its blocks (``walk_blocks`` per group) would read
     each tile, out alone at dstate 128 in 'input' or '2xfp16', unsplit, two blocks an SM or one
     without D and z."""
     if not shares_scores(key) or n_pad <= SCAN_OUT_OWN_SCORES_MAX_DSTATE:
         return False
-    few_readers = key.nheads // key.ngroups * p_blocks <= WALK_OWN_SCORES_MAX_READERS
+    few_readers = walk_blocks(key) // (key.batch * key.ngroups) <= WALK_OWN_SCORES_MAX_READERS
     return not (few_readers and n_pad == 128 and segments == 1 and not key.states_returned
                 and mode in ("input", "2xfp16")
                 and (occupancy == 2 or (not key.has_d and key.z_dtype is None)))
@@ -1055,8 +1055,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
         # Split, every segment starts from a float32 state (the first from the call's own).
         split = segments > 1
         early = walk_updates_early(key, mode, walk_states_mode, segments)
-        shared_scores = walk_shares_scores(key, mode, n_pad, -(-p_pad // p_block), occupancy,
-                                           segments)
+        shared_scores = walk_shares_scores(key, mode, n_pad, occupancy, segments)
         walk = ScanOutConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
                              z_dtype=key.z_dtype or key.x_dtype,
                              start_dtype=f32 if split else key.start_dtype or f32,
