@@ -84,9 +84,13 @@ def _chunked(t: torch.Tensor, Q: int, fill=0) -> torch.Tensor:
     return padded.view((b, nchunks, Q) + tuple(t.shape[2:]))
 
 
-def chunk_cumsum(inp: PreparedInputs, Q: int, decay_nudge_ulps: int = 0) -> ChunkedInputs:
+def chunk_cumsum(inp: PreparedInputs, Q: int, decay_nudge_ulps: int = 0,
+                 cumsum_rounded_once: bool = False) -> ChunkedInputs:
     """Stage 1: processed dt per chunk, 0 past seqlen, and its inclusive log2 decay cumsum.
     decay_nudge_ulps: how the later stages round their decays (``ChunkedInputs.decay``).
+    cumsum_rounded_once: each S accumulated in float64 from the compute dtype's steps and rounded
+    once, as the kernels' hi + lo scan and torch's CPU cumsum deliver it; otherwise the device's
+    cumsum in the compute dtype (CUDA's scan rounds each partial sum).
 
     dt comes from ``prepare``: the exact softplus in both compute dtypes. In float32 it equals
     the kernels' identity above 20, since there log1p(e^-v) < e^-20 is below half an ulp of v.
@@ -102,8 +106,10 @@ def chunk_cumsum(inp: PreparedInputs, Q: int, decay_nudge_ulps: int = 0) -> Chun
     local = torch.arange(Q, device=starts.device)
     start_pos = torch.where(starts, local, -1).cummax(dim=-1).values
     per_sequence = inp.problem.per_sequence_initial_states
+    cumsum = (log2_decay.double().cumsum(dim=-1).to(log2_decay.dtype) if cumsum_rounded_once
+              else log2_decay.cumsum(dim=-1))
     return ChunkedInputs(x=_chunked(inp.x, Q), B=_chunked(inp.B, Q), C=_chunked(inp.C, Q), dt=dt,
-                         log2_decay=log2_decay, log2_decay_cumsum=log2_decay.cumsum(dim=-1),
+                         log2_decay=log2_decay, log2_decay_cumsum=cumsum,
                          seq=seq, start_pos=start_pos,
                          start_states=inp.initial_states if per_sequence else None,
                          decay_nudge_ulps=decay_nudge_ulps)
@@ -229,7 +235,8 @@ def _check_dtype(name: str, dtype, allowed) -> None:
 
 def chunked_ssd(problem: SSDProblem, compute_dtype=torch.float64, state_dtype=torch.float32,
                 out_dtype=None, chunk_size: Optional[int] = None,
-                positions: Optional[Sequence[int]] = None, decay_nudge_ulps: int = 0) -> SSDResult:
+                positions: Optional[Sequence[int]] = None, decay_nudge_ulps: int = 0,
+                cumsum_rounded_once: bool = False) -> SSDResult:
     """The three stages on ``problem``'s device; every intermediate in ``stages``.
 
     compute_dtype float64 or float32: inputs are upcast exactly, all arithmetic is in it.
@@ -239,6 +246,8 @@ def chunked_ssd(problem: SSDProblem, compute_dtype=torch.float64, state_dtype=to
     after ``positions`` steps come in the compute dtype. decay_nudge_ulps: every decay 2^e in
     (0, 1) moved that many ulps up or down, an evaluation whose exp2 rounds differently but is
     no less sound (the accuracy rule's baseline takes the worst of 0, +1 and -1).
+    cumsum_rounded_once: the log2 decay cumsum accumulated in float64 and rounded once
+    (``chunk_cumsum``).
     """
     _check_dtype("compute_dtype", compute_dtype, COMPUTE_DTYPES)
     _check_dtype("state_dtype", state_dtype, STORAGE_DTYPES)
@@ -251,11 +260,13 @@ def chunked_ssd(problem: SSDProblem, compute_dtype=torch.float64, state_dtype=to
         positions = check_positions(problem, positions)
     if isinstance(decay_nudge_ulps, bool) or not isinstance(decay_nudge_ulps, int):
         raise SSDInputError(f"decay_nudge_ulps: expected an int, got {decay_nudge_ulps!r}")
+    if not isinstance(cumsum_rounded_once, bool):
+        raise SSDInputError(f"cumsum_rounded_once: expected a bool, got {cumsum_rounded_once!r}")
 
     # A process-wide TF32 switch would silently turn float32 compute into TF32 on the GPU.
     with _no_tf32():
         return _chunked_ssd(problem, compute_dtype, state_dtype, out_dtype, Q, positions,
-                            decay_nudge_ulps)
+                            decay_nudge_ulps, cumsum_rounded_once)
 
 
 @contextlib.contextmanager
@@ -269,9 +280,9 @@ def _no_tf32():
 
 
 def _chunked_ssd(problem, compute_dtype, state_dtype, out_dtype, Q, positions,
-                 decay_nudge_ulps) -> SSDResult:
+                 decay_nudge_ulps, cumsum_rounded_once) -> SSDResult:
     inp = prepare(problem, dtype=compute_dtype)
-    ch = chunk_cumsum(inp, Q, decay_nudge_ulps)
+    ch = chunk_cumsum(inp, Q, decay_nudge_ulps, cumsum_rounded_once)
     row_start_states = inp.x.new_zeros(problem.batch, problem.nheads, problem.headdim,
                                        problem.dstate)
     for row in range(problem.batch):

@@ -106,12 +106,12 @@ def stage_errors(problem: SSDProblem, result: SSDResult, exact: dict) -> dict[st
 def baseline_errors(problem: SSDProblem, exact: dict,
                     plain: Optional[dict] = None) -> dict[str, dict]:
     """The accuracy rule's baseline: per stage, the worst (by max_abs) of the float32 chunked
-    reference's errors with its decays as torch's exp2 rounds them and nudged one ulp up and down
-    (``tolerances.BASELINE_DECAY_NUDGES`` says why). plain: the un-nudged reference's stage errors
-    when the caller has already measured them."""
-    runs = [plain if nudge == 0 and plain is not None else
-            stage_errors(problem, reference(torch.float32, nudge)(problem), exact)
-            for nudge in tolerances.BASELINE_DECAY_NUDGES]
+    reference's errors with its decays as torch's exp2 rounds them, nudged one ulp up and down,
+    and with its cumsum rounded once (``tolerances.BASELINE_EVALUATIONS`` says why). plain: the
+    plain reference's stage errors when the caller has already measured them."""
+    runs = [plain if not options and plain is not None else
+            stage_errors(problem, reference(torch.float32, **options)(problem), exact)
+            for options in tolerances.BASELINE_EVALUATIONS]
 
     def severity(m):   # a non-finite max_abs wins: judge() then refuses to rest a rule on it
         return (0, m["max_abs"]) if math.isfinite(m["max_abs"]) else (1, 0.0)
@@ -402,7 +402,8 @@ def run_check(spec: ProblemSpec, impl_names: Optional[list[str]] = None, device=
                          None if v is None else v.allowed,
                          "-" if v is None else ("ok" if v.ok else "FAIL"), f"{seconds:.2f}s"])
     print(f"\nerrors against float64 {tier} (tier {2 if tier == 'sequential' else 3}); allowed: "
-          f"k x max(reference-fp32 max_abs (worst of its decays rounded as is, +-1 ulp), "
+          f"k x max(reference-fp32 max_abs (worst of its decays rounded as is, +-1 ulp, and "
+          f"its cumsum rounded once), "
           f"u_out max|exact|) + floor (properties/tolerances.py); "
           f"for the reference itself, its a-priori rounding bound at its worst element:", file=out)
     print(_table(rows, ["impl/tier", "stage", "count", "max_abs", "max_rel", "normwise_rel",

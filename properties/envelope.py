@@ -230,7 +230,7 @@ def measure_problem(problem, impls: dict[str, Impl], reference: Optional[str]) -
                 dtype = dtypes.setdefault(stage, stage_dtype(problem, stage, got[stage]))
                 measured[name][stage] = error_metrics(got[stage].to(dtype), exact[stage], dtype)
     ref = measured.get(reference, {}) if reference else {}
-    # The rule's baseline is the worst of the reference's three decay roundings (check.judge).
+    # The rule's baseline is the worst of the reference's four evaluations (check.baseline_errors).
     rule_baseline = (baseline_errors(problem, exact, plain=ref)
                      if ref and "unsupported" not in ref else {})
     for name, stages in measured.items():

@@ -150,17 +150,18 @@ def _call_contract(fn: Callable, problem: SSDProblem, **overrides) -> SSDResult:
     return _contract_result(problem, fn(**kwargs))
 
 
-def reference(compute_dtype: torch.dtype,
-              decay_nudge_ulps: int = 0) -> Callable[[SSDProblem], SSDResult]:
+def reference(compute_dtype: torch.dtype, decay_nudge_ulps: int = 0,
+              cumsum_rounded_once: bool = False) -> Callable[[SSDProblem], SSDResult]:
     """The chunked reference computing in ``compute_dtype`` (``reference``: float32), its decays
-    nudged as ``oracles.chunked_reference.chunked_ssd`` says."""
+    nudged and its cumsum rounded as ``oracles.chunked_reference.chunked_ssd`` says."""
     # The float32 reference stores chunk states in float32, as the kernels do; the float64 one keeps
     # them in float64 (all its arithmetic is float64) and delivers them in the shared fp32 layout.
     def run(problem: SSDProblem) -> SSDResult:
         from oracles.chunked_reference import chunked_ssd  # noqa: PLC0415
         return _reference_delivery(problem, chunked_ssd(problem, compute_dtype=compute_dtype,
                                                         state_dtype=compute_dtype,
-                                                        decay_nudge_ulps=decay_nudge_ulps))
+                                                        decay_nudge_ulps=decay_nudge_ulps,
+                                                        cumsum_rounded_once=cumsum_rounded_once))
     return run
 
 

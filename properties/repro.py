@@ -259,7 +259,8 @@ def replay_problem(problem: SSDProblem, impl, recorded: Optional[dict] = None,
         rule = "the a-priori rounding bound (the reference is its own baseline)"
     else:
         verdicts = check.judge(problem, errors, check.baseline_errors(problem, exact), result)
-        rule = "k x reference-fp32 max_abs (worst of decays as rounded, +-1 ulp) + floor"
+        rule = ("k x reference-fp32 max_abs (worst of decays as rounded, +-1 ulp, cumsum rounded "
+                "once) + floor")
     by_stage = {v.stage: v for v in verdicts}
     rows = []
     for stage, m in errors.items():

@@ -15,15 +15,31 @@ the H200: a single fp32 output, the reference 0.30 ulp from exact, the 3xTF32 ke
 ulp from the reference's result), and no implementation delivering that dtype is owed better than about one rounding.
 A test never loosens a value here without a written reason next to it.
 
-The baseline is the worst of three float32 evaluations (``BASELINE_DECAY_NUDGES``): the reference
-with its decays 2^e as torch's exp2 rounds them, and the same with every decay in (0, 1) one ulp
-higher, and one ulp lower. An exp2 within one ulp (libm's; the GPU's ex2.approx is within about
-two) is as sound as torch's, and on a large carried state that ulp alone moves the result by
-several of its ulps: on the pinned case large-initial-state-mixed-dtypes (initial states of 4000,
-final states up to 17) the reference's final_states error was 1.4e-6 on the H200 and 7.0e-6 on
-the CPU, and on the CPU with every decay one ulp up 3.2e-6, one ulp down 1.1e-5. One evaluation's
-rounding pattern is a sample, not the conditioning; the worst of the three bounds the spread that
-the decays' last bit makes.
+The baseline is the worst of four float32 evaluations (``BASELINE_EVALUATIONS``): the reference
+with its decays 2^e as torch's exp2 rounds them, the same with every decay in (0, 1) one ulp
+higher, and one ulp lower, and the first with its log2 decay cumsum S rounded once. An exp2
+within one ulp (libm's; the GPU's ex2.approx is within about two) is as sound as torch's, and on
+a large carried state that ulp alone moves the result by several of its ulps: on the pinned case
+large-initial-state-mixed-dtypes (initial states of 4000, final states up to 17) the reference's
+final_states error was 1.4e-6 on the H200 and 7.0e-6 on the CPU, and on the CPU with every decay
+one ulp up 3.2e-6, one ulp down 1.1e-5. One evaluation's rounding pattern is a sample, not the
+conditioning; the worst of the three bounds the spread that the decays' last bit makes.
+
+The fourth evaluation sums S in float64 from the float32 steps and rounds each S once, as the
+kernels' hi + lo scan does (and torch's CPU cumsum, whose accumulator is float64); torch's CUDA
+cumsum rounds every partial sum. Each step dt * A * log2(e) carries a rounding shared by every
+step of the head (A * log2(e) is rounded once), so under a long strong decay S is off by a
+coherent ~|S| * 2^-24 whichever way it is summed, a backward error of half an ulp in A whose
+forward effect on a decayed state is ln2 * |S| * 2^-24 relative. The CUDA scan's own roundings
+can cancel part of it by luck: on the H200 at 6f8d33e the gpu profile found a pure decay (x = 0,
+|S| = 31 and 42 over 511 steps, final states up to 1.4e-9) where the kernels' final_states error,
+1.03e-15 (7.6e-7 relative, ln2 * 31 * 2^-24 = 1.3e-6), was 4.13x the GPU reference's 2.49e-16 and so 1.03x the allowance, while the
+same float32 reference on the CPU makes 1.03e-15 to three digits
+(reports/h200/failures/property-pure-decay_cutile_6f8d33e.json). A more accurate S is no less
+sound an evaluation, so its error is part of the baseline. It does not hide what the rule caught
+before: at the artifact of strong-decay-neighbour-differences (tests/regressions.json), the
+kernels' final_states error at 431dbb8 is 17x this evaluation's on the CPU and 2x the allowance
+there.
 
 Checks where that baseline is the implementation itself (the reference under test) or where no
 oracle runs (metamorphic relations) use the a-priori bounds below instead.
@@ -35,8 +51,10 @@ from dataclasses import dataclass
 import torch
 
 STAGES = ("out", "final_states", "varlen_states", "dt", "log2_decay_cumsum", "chunk_states")
-# The reference's decays as torch rounds them, one ulp up, one ulp down (module docstring).
-BASELINE_DECAY_NUDGES = (0, 1, -1)
+# The reference's decays as torch rounds them, one ulp up, one ulp down, and its cumsum rounded
+# once (module docstring): keyword arguments of ``properties.impls.reference``.
+BASELINE_EVALUATIONS = ({}, {"decay_nudge_ulps": 1}, {"decay_nudge_ulps": -1},
+                        {"cumsum_rounded_once": True})
 
 
 @dataclass(frozen=True)

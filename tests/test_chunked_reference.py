@@ -325,6 +325,21 @@ def test_decay_nudge_moves_decays_inside_0_1_by_whole_ulps(dtype, ulps):
     assert torch.equal(nudged[2:], expected)
 
 
+def test_cumsum_rounded_once_is_the_float64_sum_of_the_float32_steps_and_is_validated():
+    """The baseline's evaluation with S as the kernels' hi + lo scan delivers it: each S the
+    float32 nearest to the exact sum of the float32 steps; everything before S unchanged."""
+    problem = build_problem(ProblemSpec(seqlen=300, chunk_size=256, regime="strong_decay"))
+    plain = chunked_ssd(problem, compute_dtype=torch.float32)
+    once = chunked_ssd(problem, compute_dtype=torch.float32, cumsum_rounded_once=True)
+    assert torch.equal(once.stages["dt"], plain.stages["dt"])
+    S = once.stages["log2_decay_cumsum"]
+    assert S.abs().max() > 20                               # where rounding S matters
+    steps = plain.stages["dt"] * (problem.A.float() * LOG2_E)[None, :, None, None]
+    assert torch.equal(S, steps.double().cumsum(dim=-1).float())
+    with pytest.raises(SSDInputError, match="cumsum_rounded_once: expected a bool, got 1"):
+        chunked_ssd(problem, cumsum_rounded_once=1)
+
+
 def test_decay_nudge_changes_the_float32_result_and_is_validated():
     problem = build_problem(ProblemSpec(seqlen=70, chunk_size=16, regime="large_initial_state",
                                         initial_states=True))
