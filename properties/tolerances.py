@@ -33,9 +33,9 @@ coherent ~|S| * 2^-24 whichever way it is summed, a backward error of half an ul
 forward effect on a decayed state is ln2 * |S| * 2^-24 relative. The CUDA scan's own roundings
 can cancel part of it by luck: on the H200 at 6f8d33e the gpu profile found a pure decay (x = 0,
 |S| = 31 and 42 over 511 steps, final states up to 1.4e-9) where the kernels' final_states error,
-1.03e-15 (7.6e-7 relative, ln2 * 31 * 2^-24 = 1.3e-6), was 4.13x the GPU reference's 2.49e-16 and so 1.03x the allowance, while the
-same float32 reference on the CPU makes 1.03e-15 to three digits
-(reports/h200/failures/property-pure-decay_cutile_6f8d33e.json). A more accurate S is no less
+1.03e-15 (7.6e-7 relative, ln2 * 31 * 2^-24 = 1.3e-6), was 4.13x the GPU reference's 2.49e-16
+and so 1.03x the allowance, while the same float32 reference on the CPU makes 1.03e-15 to three
+digits (reports/h200/failures/property-pure-decay_cutile_6f8d33e.json). A more accurate S is no less
 sound an evaluation, so its error is part of the baseline. It does not hide what the rule caught
 before: at the artifact of strong-decay-neighbour-differences (tests/regressions.json), the
 kernels' final_states error at 431dbb8 is 17x this evaluation's on the CPU and 2x the allowance

@@ -327,7 +327,7 @@ def test_decay_nudge_moves_decays_inside_0_1_by_whole_ulps(dtype, ulps):
 
 def test_cumsum_rounded_once_is_the_float64_sum_of_the_float32_steps_and_is_validated():
     """The baseline's evaluation with S as the kernels' hi + lo scan delivers it: each S the
-    float32 nearest to the exact sum of the float32 steps; everything before S unchanged."""
+    float32 rounding of the float64 sum of the float32 steps; everything before S unchanged."""
     problem = build_problem(ProblemSpec(seqlen=300, chunk_size=256, regime="strong_decay"))
     plain = chunked_ssd(problem, compute_dtype=torch.float32)
     once = chunked_ssd(problem, compute_dtype=torch.float32, cumsum_rounded_once=True)

@@ -144,7 +144,8 @@ def test_pinned_pure_decay_from_the_h200(impl):
     reason = impl.why_unsupported(problem)
     if reason:
         pytest.skip(reason)
-    with artifact(impl, "pinned-pure-decay", problem, None, x="zeros") as rec:
+    spec = ProblemSpec.from_dict(record["recipe"])
+    with artifact(impl, "pinned-pure-decay", problem, spec, x="zeros") as rec:
         assert_accurate(impl, problem, impl(problem), check.exact_stages(problem), rec, steer=False)
 
 
