@@ -149,6 +149,70 @@ def test_pinned_pure_decay_from_the_h200(impl):
         assert_accurate(impl, problem, impl(problem), check.exact_stages(problem), rec, steer=False)
 
 
+SUBNORMAL_SPAN = 64            # one aligned chunk at 64; inside one chunk at any larger size
+SUBNORMAL_SPAN_LOG2_DECAY = -132.0
+
+
+def subnormal_decay_problem(impl, case: str, x_dtype: str, seqlen: int):
+    """The last SUBNORMAL_SPAN steps decay by 2^-132 (each step 2^-2.06, none before them), so a
+    kernel's decay across the span is one exp2 below float32's smallest normal 2^-126, applied
+    to a term of ~1e6: the initial state ('carried_state', x = 0), or the span's first input,
+    the only nonzero x, with that x ('large_x') or that step's B ('large_B') scaled by 1e6. C is
+    zero but at the last step, so out's only nonzero entries and the final states are ~1e-33,
+    normal numbers that a decay flushed to zero would return as 0."""
+    spec = ProblemSpec(seqlen=seqlen, x_dtype=x_dtype, bc_dtype=x_dtype,
+                       initial_states=case == "carried_state")
+    p = build_problem(spec, impl.device or "cpu")
+    span = slice(seqlen - SUBNORMAL_SPAN, seqlen)
+    dt = torch.zeros_like(p.dt)
+    dt[:, span] = -SUBNORMAL_SPAN_LOG2_DECAY / SUBNORMAL_SPAN * math.log(2.0)
+    C = torch.zeros_like(p.C)
+    C[:, -1] = p.C[:, -1]
+    tensors = dict(dt=dt, A=-torch.ones_like(p.A), C=C)
+    if case == "carried_state":
+        tensors.update(x=torch.zeros_like(p.x), initial_states=p.initial_states * 1e6)
+    else:
+        big = 1e6 if case == "large_x" else 1.0
+        x = torch.zeros_like(p.x)
+        x[:, span.start] = p.x[:, span.start].float().mul(big).to(x.dtype)
+        B = p.B.clone()
+        B[:, span.start] = p.B[:, span.start].float().mul(1e6 / big).to(B.dtype)
+        tensors.update(x=x, B=B)
+    return p.with_tensors(**tensors)
+
+
+@pytest.mark.parametrize("seqlen", (64, 2048))
+@pytest.mark.parametrize("x_dtype", ("fp32", "bf16"))
+@pytest.mark.parametrize("case", ("carried_state", "large_x", "large_B"))
+def test_decays_below_the_smallest_normal_still_scale_large_terms(impl, case, x_dtype, seqlen):
+    """A decay 2^e with e < -126 is a float32 subnormal, and a large term times it is a normal
+    number the rule owes (its floor, finfo.tiny, covers flushed results, not flushed factors).
+    An exp2 flushing its subnormal results ran faster on the H200 and returned 0 here
+    (reports/h200/experiments/ab_exp2_flush_4dbd6fe.txt)."""
+    problem = subnormal_decay_problem(impl, case, x_dtype, seqlen)
+    reason = impl.why_unsupported(problem)
+    if reason:
+        pytest.skip(reason)
+    exact = check.exact_stages(problem)
+    assert 1e-36 < float(exact["final_states"].abs().max()) < 1e-30   # normal, and decayed
+    with artifact(impl, f"subnormal-decay-{case}-{x_dtype}-L{seqlen}", problem, None) as rec:
+        assert_accurate(impl, problem, impl(problem), exact, rec, steer=False)
+
+
+@pytest.mark.parametrize("case", ("carried_state", "large_x", "large_B"))
+def test_the_rule_refuses_the_decayed_terms_flushed_to_zero(case):
+    """What the test above catches: the reference's out and final states with the subnormal
+    decay's terms zeroed, as a flushing exp2 returns them, break the rule in both stages."""
+    problem = subnormal_decay_problem(REFERENCE, case, "fp32", SUBNORMAL_SPAN)
+    exact = check.exact_stages(problem)
+    result = REFERENCE(problem)
+    flushed = replace(result, out=torch.zeros_like(result.out),
+                      final_states=torch.zeros_like(result.final_states), stages=None)
+    verdicts = check.judge(problem, check.stage_errors(problem, flushed, exact),
+                           check.baseline_errors(problem, exact), flushed)
+    assert {v.stage for v in verdicts if not v.ok} == {"out", "final_states"}
+
+
 @given(data=st.data())
 def test_finite_wherever_the_exact_answer_is_finite(impl, mixes, data):
     """Extreme regimes: no NaN/Inf in any stage where the exact value is finite in the stage's
