@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from kernels.contract import SSDProblem
+from kernels.contract import SSDInputError, SSDProblem
 from oracles.common import SSDResult
 
 FEATURES = {
@@ -84,6 +84,9 @@ class Impl:
     unsupported: Mapping[str, str] = field(default_factory=dict)
     exposes_stages: bool = False
     compute_dtype: Optional[torch.dtype] = None
+    # The reason this implementation refuses a problem beyond chunk sizes and features (None: it
+    # takes it), e.g. a precision mode made for other x dtypes.
+    refuses: Optional[Callable[[SSDProblem], Optional[str]]] = None
 
     def why_unsupported(self, problem: SSDProblem) -> Optional[str]:
         """None when the problem is within what this implementation takes, else the reason."""
@@ -92,7 +95,7 @@ class Impl:
         for feature in sorted(problem_features(problem)):
             if feature in self.unsupported:
                 return f"{self.name} does not support {FEATURES[feature]}: {self.unsupported[feature]}"
-        return None
+        return None if self.refuses is None else self.refuses(problem)
 
     def __call__(self, problem: SSDProblem) -> SSDResult:
         if self.device is not None and problem.device.type != torch.device(self.device).type:
@@ -178,6 +181,18 @@ def _cutile(precision: Optional[str] = None) -> Impl:
     unsupported = dict(getattr(kernels, "UNSUPPORTED_FEATURES", {}))
 
     modes = {} if precision is None else {"precision": precision}
+    from kernels.ssd import PRECISIONS, resolve_precision  # noqa: PLC0415
+    if precision is not None and precision not in (*PRECISIONS, "auto"):
+        # Not refused problem by problem: a misspelt mode would skip every test.
+        raise ValueError(f"cutile:<precision mode>: expected one of {PRECISIONS} or 'auto', "
+                         f"got {precision!r}")
+
+    def refuses(problem: SSDProblem) -> Optional[str]:
+        try:
+            resolve_precision(precision, problem.x.dtype)
+        except SSDInputError as exc:
+            return str(exc)
+        return None
 
     def run(problem: SSDProblem) -> SSDResult:
         if staged is not None:
@@ -189,7 +204,8 @@ def _cutile(precision: Optional[str] = None) -> Impl:
         name, call = f"{name}:{precision}", f"{call}, precision={precision!r}"
     return Impl(name, f"the cuTile kernels ({call})", run, device="cuda",
                 chunk_sizes=None if chunk_sizes is None else tuple(chunk_sizes),
-                unsupported=unsupported, exposes_stages=staged is not None)
+                unsupported=unsupported, exposes_stages=staged is not None,
+                refuses=None if precision is None else refuses)
 
 
 def _mamba_ssm() -> Impl:

@@ -181,18 +181,34 @@ def subnormal_decay_problem(impl, case: str, x_dtype: str, seqlen: int):
     return p.with_tensors(**tensors)
 
 
+# The kernels' known misses here (kernels/tile_ops.py, "Subnormal operands"): by implementation,
+# the (case, x dtype) pairs whose product with a subnormal operand is cut into bf16/TF32 terms.
+# Seen on the H200 at 797e011 (reports/h200/experiments/subnormal_cut_lift_797e011.txt).
+SUBNORMAL_CUT_MISSES = {
+    **{name: {("large_x", "fp32"), ("large_B", "fp32"), ("large_B", "bf16")}
+       for name in ("cutile", "cutile:3xbf16", "cutile:3xtf32")},
+    "cutile:2xbf16": {("large_B", "bf16")},
+}
+
+
 @pytest.mark.parametrize("seqlen", (64, 2048))
 @pytest.mark.parametrize("x_dtype", ("fp32", "bf16"))
 @pytest.mark.parametrize("case", ("carried_state", "large_x", "large_B"))
-def test_decays_below_the_smallest_normal_still_scale_large_terms(impl, case, x_dtype, seqlen):
+def test_decays_below_the_smallest_normal_still_scale_large_terms(impl, case, x_dtype, seqlen,
+                                                                  request):
     """A decay 2^e with e < -126 is a float32 subnormal, and a large term times it is a normal
     number the rule owes (its floor, finfo.tiny, covers flushed results, not flushed factors).
     An exp2 flushing its subnormal results ran faster on the H200 and returned 0 here
-    (reports/h200/experiments/ab_exp2_flush_4dbd6fe.txt)."""
+    (reports/h200/experiments/ab_exp2_flush_4dbd6fe.txt). The kernels' known misses are marked
+    strict xfail: one that starts passing fails, to be unmarked."""
     problem = subnormal_decay_problem(impl, case, x_dtype, seqlen)
     reason = impl.why_unsupported(problem)
     if reason:
         pytest.skip(reason)
+    if (case, x_dtype) in SUBNORMAL_CUT_MISSES.get(impl.name, ()):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "a subnormal operand cut into bf16/TF32 terms keeps a few bits (kernels/tile_ops.py, "
+            "'Subnormal operands')")))
     exact = check.exact_stages(problem)
     assert 1e-36 < float(exact["final_states"].abs().max()) < 1e-30   # normal, and decayed
     with artifact(impl, f"subnormal-decay-{case}-{x_dtype}-L{seqlen}", problem, None) as rec:
