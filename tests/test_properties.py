@@ -205,12 +205,15 @@ def test_decays_below_the_smallest_normal_still_scale_large_terms(impl, case, x_
     reason = impl.why_unsupported(problem)
     if reason:
         pytest.skip(reason)
+    exact = check.exact_stages(problem)
+    assert 1e-36 < float(exact["final_states"].abs().max()) < 1e-30   # normal, and decayed
     if (case, x_dtype) in SUBNORMAL_CUT_MISSES.get(impl.name, ()):
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
             "a subnormal operand cut into bf16/TF32 terms keeps a few bits (kernels/tile_ops.py, "
             "'Subnormal operands')")))
-    exact = check.exact_stages(problem)
-    assert 1e-36 < float(exact["final_states"].abs().max()) < 1e-30   # normal, and decayed
+        # An expected miss leaves no repro artifact: CI uploads failures/ as failures.
+        assert_accurate(impl, problem, impl(problem), exact, repro.FailureRecord(), steer=False)
+        return
     with artifact(impl, f"subnormal-decay-{case}-{x_dtype}-L{seqlen}", problem, None) as rec:
         assert_accurate(impl, problem, impl(problem), exact, rec, steer=False)
 
