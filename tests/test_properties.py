@@ -151,15 +151,17 @@ def test_pinned_pure_decay_from_the_h200(impl):
 
 SUBNORMAL_SPAN = 64            # one aligned chunk at 64; inside one chunk at any larger size
 SUBNORMAL_SPAN_LOG2_DECAY = -132.0
+SUBNORMAL_SCALED_TERM = {"fp32": 1e6, "bf16": 1e6, "fp16": 1e4}   # fp16 stops at 65504
 
 
 def subnormal_decay_problem(impl, case: str, x_dtype: str, seqlen: int):
     """The last SUBNORMAL_SPAN steps decay by 2^-132 (each step 2^-2.06, none before them), so a
     kernel's decay across the span is one exp2 below float32's smallest normal 2^-126, applied
-    to a term of ~1e6: the initial state ('carried_state', x = 0), or the span's first input,
-    the only nonzero x, with that x ('large_x') or that step's B ('large_B') scaled by 1e6. C is
-    zero but at the last step, so out's only nonzero entries and the final states are ~1e-33,
-    normal numbers that a decay flushed to zero would return as 0."""
+    to a term of ~1e6 (1e4 with fp16 x): the initial state ('carried_state', x = 0), or the
+    span's first input, the only nonzero x, with that x ('large_x') or that step's B ('large_B')
+    scaled so. C is zero but at the last step, so out's only nonzero entries and the final states
+    are ~1e-33 (~1e-35), normal float32 numbers that a decay flushed to zero would return as 0
+    (fp16's out rounds them to 0 anyway)."""
     spec = ProblemSpec(seqlen=seqlen, x_dtype=x_dtype, bc_dtype=x_dtype,
                        initial_states=case == "carried_state")
     p = build_problem(spec, impl.device or "cpu")
@@ -170,13 +172,16 @@ def subnormal_decay_problem(impl, case: str, x_dtype: str, seqlen: int):
     C[:, -1] = p.C[:, -1]
     tensors = dict(dt=dt, A=-torch.ones_like(p.A), C=C)
     if case == "carried_state":
-        tensors.update(x=torch.zeros_like(p.x), initial_states=p.initial_states * 1e6)
+        tensors.update(x=torch.zeros_like(p.x),
+                       initial_states=p.initial_states * SUBNORMAL_SCALED_TERM[x_dtype])
     else:
-        big = 1e6 if case == "large_x" else 1.0
+        term = SUBNORMAL_SCALED_TERM[x_dtype]
         x = torch.zeros_like(p.x)
-        x[:, span.start] = p.x[:, span.start].float().mul(big).to(x.dtype)
+        x[:, span.start] = p.x[:, span.start].float().mul(term if case == "large_x" else 1.0).to(
+            x.dtype)
         B = p.B.clone()
-        B[:, span.start] = p.B[:, span.start].float().mul(1e6 / big).to(B.dtype)
+        B[:, span.start] = p.B[:, span.start].float().mul(term if case == "large_B" else 1.0).to(
+            B.dtype)
         tensors.update(x=x, B=B)
     return p.with_tensors(**tensors)
 
@@ -192,7 +197,7 @@ SUBNORMAL_CUT_MISSES = {
 
 
 @pytest.mark.parametrize("seqlen", (64, 2048))
-@pytest.mark.parametrize("x_dtype", ("fp32", "bf16"))
+@pytest.mark.parametrize("x_dtype", ("fp32", "bf16", "fp16"))
 @pytest.mark.parametrize("case", ("carried_state", "large_x", "large_B"))
 def test_decays_below_the_smallest_normal_still_scale_large_terms(impl, case, x_dtype, seqlen,
                                                                   request):
