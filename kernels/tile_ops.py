@@ -54,12 +54,14 @@ Subnormal operands, a known limit of the cuts: bf16 and TF32 share float32's exp
 term holds an operand's bits only down to its own subnormal spacing, 2^-133 (bf16) or 2^-136 (TF32).
 A float32 operand below 2^-126 (a decay below 2^-126 within a chunk, times dt, x or B) keeps a few
 leading bits. Where such a product meets a term of 1e6 (outputs near 1e-33), out erred by 2% of its
-values, 25-390 times the float32 rule's allowance (large x, float32), and final_states by 110-970
-times it (large B, either dtype): on the H200 at 797e011 in 3xbf16 (float32's default), 3xtf32 and
-2xbf16, and in the bf16 default's final states ("ieee" passed; tests/test_properties.py, decays
-below the smallest normal, marks them). Cutting 2^16 above the operands' scale (powers of two: no
-value above 2^-110 changes) fixed them but took fp16 calls that return final states from 1.06 to
-3.1 ms (reports/h200/experiments/subnormal_cut_lift_797e011.txt); not kept.
+values, 25-390 times the float32 rule's allowance (large x, float32 x), and final_states by 110-970
+times it (large B, float32 or bf16 x; with fp16 x and a term of 1e4, 10-85 times): on the H200 at
+797e011 and 4eb89bd in 3xbf16 (float32's default), 3xtf32 and 2xbf16, and in the bf16 default's
+final states ("ieee" passed, and fp16's own splits, which scale each row of the cut operand;
+tests/test_properties.py, decays below the smallest normal, marks the misses). Cutting 2^16 above
+the operands' scale (powers of two: no value above 2^-110 changes) fixed them but took fp16 calls
+that return final states from 1.06 to 3.13 ms
+(reports/h200/experiments/subnormal_cut_lift_797e011.txt); not kept.
 """
 from __future__ import annotations
 
