@@ -180,12 +180,12 @@ def _cutile(precision: Optional[str] = None) -> Impl:
     chunk_sizes = getattr(kernels, "SUPPORTED_CHUNK_SIZES", None)
     unsupported = dict(getattr(kernels, "UNSUPPORTED_FEATURES", {}))
 
-    modes = {} if precision is None else {"precision": precision}
     from kernels.ssd import PRECISIONS, resolve_precision  # noqa: PLC0415
     if precision is not None and precision not in (*PRECISIONS, "auto"):
         # Not refused problem by problem: a misspelt mode would skip every test.
         raise ValueError(f"cutile:<precision mode>: expected one of {PRECISIONS} or 'auto', "
                          f"got {precision!r}")
+    modes = {} if precision is None else {"precision": precision}
 
     def refuses(problem: SSDProblem) -> Optional[str]:
         try:
