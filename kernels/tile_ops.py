@@ -59,9 +59,10 @@ times it (large B, float32 or bf16 x; with fp16 x and a term of 1e4, 10-85 times
 797e011 and 4eb89bd in 3xbf16 (float32's default), 3xtf32 and 2xbf16, and in the bf16 default's
 final states ("ieee" passed, and fp16's own splits, which scale each row of the cut operand;
 tests/test_properties.py, decays below the smallest normal, marks the misses). Cutting 2^16 above
-the operands' scale (powers of two: no value above 2^-110 changes) fixed them but took fp16 calls
-that return final states from 1.06 to 3.13 ms
-(reports/h200/experiments/subnormal_cut_lift_797e011.txt); not kept.
+the operands' scale (powers of two: no value above 2^-110 changes) fixed them but, as first built,
+took fp16 calls that return final states from 1.06 to 3.13 ms, likely through a multiply by 1.0 left
+in the unlifted cuts (its CPU compiles: reports/h200/experiments/subnormal_cut_lift_797e011.txt);
+not kept yet.
 """
 from __future__ import annotations
 
