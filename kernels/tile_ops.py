@@ -54,18 +54,19 @@ Subnormal operands: bf16 and TF32 share float32's exponent range, so a term hold
 only down to its own subnormal spacing, 2^-133 (bf16) or 2^-136 (TF32). Cut as they were, float32
 operands below 2^-126 (a decay below 2^-126 within a chunk, times dt, x or B) kept a few leading
 bits: where such a product met a term of 1e6 (outputs near 1e-33), out erred by 2% of its values,
-25-390 times the float32 rule's allowance (large x, float32 x), and final_states by 110-970 times
-it (large B), on the H200 at 797e011. So where both operands are cut (3xbf16 where neither is raw
-bf16, 3xtf32 between two float32 operands) the terms after the first work LIFT = 2^16 above scale:
-their products are summed apart and scaled back before the first terms' (``_split_times_split``).
-Powers of two: every output of 11 ordinary calls stayed equal bit for bit on the H200, the first
-anchor in float32 took 1.03x the time, in 3xtf32 0.95x, the other calls 0.994-1.003x; a sum of the
-cut products of 2^112 (5e33) or more now overflows. Left: a float32 operand cut against a raw 16-bit one
-(``_exact_times_split``: the bf16 default's final states, 2xbf16, 3xtf32 with 16-bit x) keeps
-the limit, large B's final states 10-970 times the allowance (tests/test_properties.py, decays
-below the smallest normal, marks these misses). Lifting those too (the decay weights and the
-summed state, scaled back per chunk or where stored) passed every case but took bf16 calls that
-return final states 1.01-1.40x the time (reports/h200/experiments/subnormal_cut_lift_797e011.txt).
+25-390 times the float32 rule's allowance (large x, float32 x), and final_states by 110-970 times it
+(large B), on the H200 at 797e011. So where both operands are cut (3xbf16 where neither is raw bf16,
+3xtf32 between two float32 operands) the terms after the first work LIFT = 2^16 above scale: their
+products are summed apart and scaled back before the first terms' (``_split_times_split``). Powers
+of two: every output of 12 ordinary calls stayed equal bit for bit on the H200, the first anchor in
+float32 took 1.03x the time, in 3xtf32 0.95x, the other calls 0.994-1.003x; a sum of the cut
+products of 2^112 (5e33) or more now overflows. Left: a float32 operand cut against a raw 16-bit one
+(``_exact_times_split``: the bf16 default's final states, 2xbf16, 3xtf32 with 16-bit x) keeps the
+limit, large B's final states 10-970 times the allowance (tests/test_properties.py, decays below the
+smallest normal, marks these misses). Lifting those too (the decay weights and the summed state,
+scaled back per chunk or where stored) passed every case but took bf16 calls that return final
+states 1.01-1.40x the time (reports/h200/experiments/subnormal_lift_af31375.txt, after
+subnormal_cut_lift_797e011.txt).
 """
 from __future__ import annotations
 
