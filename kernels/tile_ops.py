@@ -352,7 +352,6 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
     return acc
 
 
-
 # ----------------------------------------------------------------------------- host side
 
 @functools.lru_cache(maxsize=None)

@@ -189,9 +189,9 @@ def subnormal_decay_problem(impl, case: str, x_dtype: str, seqlen: int):
 
 # The kernels' known misses here (kernels/tile_ops.py, "Subnormal operands"): by implementation,
 # the (case, x dtype) pairs whose product with a subnormal operand is cut into bf16/TF32 terms
-# against a raw 16-bit operand (the cuts of two float32 operands are lifted). Seen on the H200 with
-# the lift (reports/h200/experiments/subnormal_cut_lift_797e011.txt); fp16's default splits pass:
-# they scale each row.
+# against a raw 16-bit operand (the cuts of two float32 operands are lifted). Seen on the H200 at
+# af31375 (reports/h200/experiments/subnormal_lift_af31375.txt); fp16's default splits pass: they
+# scale each row.
 SUBNORMAL_CUT_MISSES = {"cutile": {("large_B", "bf16")},
                         "cutile:3xbf16": {("large_B", "bf16")},
                         "cutile:3xtf32": {("large_B", "bf16"), ("large_B", "fp16")},
