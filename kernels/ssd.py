@@ -1082,6 +1082,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
             entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
                                             p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,
                                             has_start=key.start_dtype is not None, wide=wide)
+    if walk is not None and walk.lifted:
+        cumsum = replace(cumsum, lifts_dt=True)
     return Plan(cumsum, chunk_state, passing, out, scan, walk, segment_states, segments, parts,
                 entering)
 
@@ -1239,8 +1241,11 @@ def launch_stages(pipeline: StagePipeline) -> SSDResult:
     else:
         chunk_states, final_states, varlen_states = pipeline.states(dt, log2_cumsum, stream)
         out = pipeline.out(dt, log2_cumsum, chunk_states, stream)
+    # dt None where it is stored LIFT above scale for the walk (only calls that want no chunk
+    # states walk, so ssd_forward_stages never does).
     return SSDResult(out=out, final_states=final_states, varlen_states=varlen_states,
-                     stages={"dt": dt, "log2_decay_cumsum": log2_cumsum[..., 0, :],
+                     stages={"dt": None if pipeline.plan.cumsum.lifts_dt else dt,
+                             "log2_decay_cumsum": log2_cumsum[..., 0, :],
                              "chunk_states": chunk_states})
 
 

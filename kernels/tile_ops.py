@@ -363,6 +363,24 @@ def placeholder(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Te
     return torch.zeros((1,) * ndim, device=device, dtype=dtype)
 
 
+def cuts_against_raw(precision: str, x_dtype: torch.dtype, b_dtype: torch.dtype, p_block: int,
+                     n_block: int) -> bool:
+    """Whether an increment x^T (w o B) in ``precision`` cuts its weighted operand (float32) into
+    bf16 or TF32 terms against the other, raw 16-bit one (``_exact_times_split``), which keeps an
+    operand below 2^-126 to a few bits (module docstring, 'Subnormal operands'): the branch
+    ``precise_mma`` takes for the operands ``weights_ride_on_x`` (kernels/fwd_pass_state.py)
+    gives it, on the host. Kernels whose increments do are handed a LIFTED flag."""
+    sixteen = (torch.bfloat16, torch.float16)
+    on_x = ((x_dtype in sixteen) == (b_dtype in sixteen) and p_block <= n_block
+            or b_dtype in sixteen and x_dtype not in sixteen)
+    raw = b_dtype if on_x else x_dtype
+    if precision in ("2xbf16", "3xbf16") and raw == torch.bfloat16:
+        return True
+    if precision == "3xbf16" or precision in ("2xfp16", "3xfp16") and raw == torch.float16:
+        return False    # both cut (lifted in _split_times_split), or fp16's scaled split
+    return precision in ("2xbf16", "2xfp16", "3xfp16", "3xtf32") and raw in sixteen
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

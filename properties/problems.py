@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
@@ -129,3 +129,39 @@ def build_problem(spec: ProblemSpec, device="cpu", draw_on_device: bool = False)
     kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
     return validate(**kwargs)
 
+
+
+# A decay below float32's smallest normal applied to a large term (``subnormal_decay_problem``).
+SUBNORMAL_SPAN = 64            # one aligned chunk at 64; inside one chunk at any larger size
+SUBNORMAL_SPAN_LOG2_DECAY = -132.0
+SUBNORMAL_SCALED_TERM = {"fp32": 1e6, "bf16": 1e6, "fp16": 1e4}   # fp16 stops at 65504
+SUBNORMAL_CASES = ("carried_state", "large_x", "large_B")
+
+
+def subnormal_decay_problem(spec: ProblemSpec, case: str, device="cpu") -> SSDProblem:
+    """``spec``'s problem (initial states iff ``case`` is 'carried_state') whose last
+    SUBNORMAL_SPAN steps decay by 2^-132 (each step 2^-2.06, none before them), so a kernel's
+    decay across the span is one exp2 below float32's smallest normal 2^-126, applied to a term of
+    ~1e6 (1e4 with fp16 x): the initial state ('carried_state', x = 0), or the span's first input,
+    the only nonzero x, with that x ('large_x') or that step's B ('large_B') scaled so. C is zero
+    but at the last step, so out's only nonzero entries and the final states are ~1e-33
+    (~1e-35), normal float32 numbers that a decay flushed to zero would return as 0 (fp16's out
+    rounds them to 0 anyway)."""
+    p = build_problem(replace(spec, initial_states=case == "carried_state"), device)
+    span = slice(spec.seqlen - SUBNORMAL_SPAN, spec.seqlen)
+    dt = torch.zeros_like(p.dt)
+    dt[:, span] = -SUBNORMAL_SPAN_LOG2_DECAY / SUBNORMAL_SPAN * math.log(2.0)
+    C = torch.zeros_like(p.C)
+    C[:, -1] = p.C[:, -1]
+    tensors = dict(dt=dt, A=-torch.ones_like(p.A), C=C)
+    term = SUBNORMAL_SCALED_TERM[spec.x_dtype]
+    if case == "carried_state":
+        tensors.update(x=torch.zeros_like(p.x), initial_states=p.initial_states * term)
+    else:
+        x = torch.zeros_like(p.x)
+        x[:, span.start] = p.x[:, span.start]
+        B = p.B.clone()
+        scaled = x if case == "large_x" else B
+        scaled[:, span.start] = (scaled[:, span.start].float() * term).to(scaled.dtype)
+        tensors.update(x=x, B=B)
+    return p.with_tensors(**tensors)

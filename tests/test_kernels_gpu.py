@@ -18,7 +18,8 @@ from kernels.device import CuTileUnavailable, tileiras_path
 from kernels.gpu_check import (FULL_GRID_ENV, check_case, check_int64_case, compare, grid,
                                int64_problem_bytes)
 from kernels.ssd import resolve_precision, ssd_forward, ssd_forward_stages, state_precision
-from properties.problems import ProblemSpec, build_problem
+from properties.problems import (SUBNORMAL_CASES, ProblemSpec, build_problem,
+                                 subnormal_decay_problem)
 from properties.tolerances import relation_tolerance
 
 HAS_GPU = torch.cuda.is_available()
@@ -640,6 +641,29 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
         out, final = pipeline.walk(*pipeline.cumsum())
         assert torch.equal(out, plain_out)
         assert torch.equal(final, plain_final)
+    record = check_problem(problem, with_mamba=False)
+    assert not record["violations"], record["violations"]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("case", SUBNORMAL_CASES)
+@pytest.mark.parametrize("batch, seqlen, nheads, segments", [(2, 2048, 64, 1), (1, 16448, 48, 2)])
+def test_the_walk_keeps_decays_below_the_smallest_normal(case, batch, seqlen, nheads, segments):
+    """The subnormal-decay problem (``properties.problems.subnormal_decay_problem``: a decay of
+    2^-132 across the last chunk applied to a term of 1e6) where the walk takes it with final
+    states, unsplit at 128 (row, head) pairs and in two segments at 48: its state update cuts
+    bf16 x against raw bf16 B, so dt comes LIFT above scale and the state walks so
+    (kernels/scan_out.py, 'Lift'). Out and final states held to the rule against float64, as
+    are the chunk-state kernels' (``check_problem`` runs both)."""
+    from kernels.gpu_check import check_problem
+    from kernels.ssd import stage_pipeline
+    spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
+                       chunk_size=64, x_dtype="bf16", bc_dtype="bf16", return_final_states=True)
+    problem = subnormal_decay_problem(spec, case, "cuda")
+    plan = stage_pipeline(problem).plan
+    assert plan.scan_out is not None and plan.scan_out.lifted and plan.cumsum.lifts_dt
+    assert plan.walk_segments == segments
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
 

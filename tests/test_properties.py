@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,7 +28,8 @@ from kernels.contract import validate
 from oracles.common import prepare
 from properties import check, repro, tolerances
 from properties.impls import get_impl, reference
-from properties.problems import ProblemSpec, build_problem
+from properties.problems import (SUBNORMAL_CASES, SUBNORMAL_SPAN, ProblemSpec, build_problem,
+                                 subnormal_decay_problem)
 from properties.regimes import REGIMES
 from properties.strategies import CPU_CHUNK_SIZES, scenarios
 
@@ -150,86 +150,31 @@ def test_pinned_pure_decay_from_the_h200(impl):
         assert_accurate(impl, problem, impl(problem), check.exact_stages(problem), rec, steer=False)
 
 
-SUBNORMAL_SPAN = 64            # one aligned chunk at 64; inside one chunk at any larger size
-SUBNORMAL_SPAN_LOG2_DECAY = -132.0
-SUBNORMAL_SCALED_TERM = {"fp32": 1e6, "bf16": 1e6, "fp16": 1e4}   # fp16 stops at 65504
-
-
-def subnormal_decay_problem(impl, case: str, x_dtype: str, seqlen: int):
-    """The last SUBNORMAL_SPAN steps decay by 2^-132 (each step 2^-2.06, none before them), so a
-    kernel's decay across the span is one exp2 below float32's smallest normal 2^-126, applied
-    to a term of ~1e6 (1e4 with fp16 x): the initial state ('carried_state', x = 0), or the
-    span's first input, the only nonzero x, with that x ('large_x') or that step's B ('large_B')
-    scaled so. C is zero but at the last step, so out's only nonzero entries and the final states
-    are ~1e-33 (~1e-35), normal float32 numbers that a decay flushed to zero would return as 0
-    (fp16's out rounds them to 0 anyway)."""
-    spec = ProblemSpec(seqlen=seqlen, x_dtype=x_dtype, bc_dtype=x_dtype,
-                       initial_states=case == "carried_state")
-    p = build_problem(spec, impl.device or "cpu")
-    span = slice(seqlen - SUBNORMAL_SPAN, seqlen)
-    dt = torch.zeros_like(p.dt)
-    dt[:, span] = -SUBNORMAL_SPAN_LOG2_DECAY / SUBNORMAL_SPAN * math.log(2.0)
-    C = torch.zeros_like(p.C)
-    C[:, -1] = p.C[:, -1]
-    tensors = dict(dt=dt, A=-torch.ones_like(p.A), C=C)
-    if case == "carried_state":
-        tensors.update(x=torch.zeros_like(p.x),
-                       initial_states=p.initial_states * SUBNORMAL_SCALED_TERM[x_dtype])
-    else:
-        x = torch.zeros_like(p.x)
-        x[:, span.start] = p.x[:, span.start]
-        B = p.B.clone()
-        scaled = x if case == "large_x" else B
-        scaled[:, span.start] = (scaled[:, span.start].float()
-                                 * SUBNORMAL_SCALED_TERM[x_dtype]).to(scaled.dtype)
-        tensors.update(x=x, B=B)
-    return p.with_tensors(**tensors)
-
-
-# The kernels' known misses here (kernels/tile_ops.py, "Subnormal operands"): by implementation,
-# the (case, x dtype) pairs whose product with a subnormal operand is cut into bf16/TF32 terms
-# against a raw 16-bit operand (the cuts of two float32 operands are lifted). Seen on the H200 at
-# af31375 (reports/h200/experiments/subnormal_lift_af31375.txt); fp16's default splits pass: they
-# scale each row.
-SUBNORMAL_CUT_MISSES = {"cutile": {("large_B", "bf16")},
-                        "cutile:3xbf16": {("large_B", "bf16")},
-                        "cutile:3xtf32": {("large_B", "bf16"), ("large_B", "fp16")},
-                        "cutile:2xbf16": {("large_B", "bf16")}}
-
-
 @pytest.mark.parametrize("seqlen", (64, 2048))
 @pytest.mark.parametrize("x_dtype", ("fp32", "bf16", "fp16"))
-@pytest.mark.parametrize("case", ("carried_state", "large_x", "large_B"))
-def test_decays_below_the_smallest_normal_still_scale_large_terms(impl, case, x_dtype, seqlen,
-                                                                  request):
+@pytest.mark.parametrize("case", SUBNORMAL_CASES)
+def test_decays_below_the_smallest_normal_still_scale_large_terms(impl, case, x_dtype, seqlen):
     """A decay 2^e with e < -126 is a float32 subnormal, and a large term times it is a normal
     number the rule owes (its floor, finfo.tiny, covers flushed results, not flushed factors).
     An exp2 flushing its subnormal results ran faster on the H200 and returned 0 here
-    (reports/h200/experiments/ab_exp2_flush_4dbd6fe.txt). The kernels' known misses are marked
-    strict xfail: one that starts passing fails, to be unmarked."""
-    problem = subnormal_decay_problem(impl, case, x_dtype, seqlen)
+    (reports/h200/experiments/ab_exp2_flush_4dbd6fe.txt); the split modes' cuts of such an
+    operand kept a few bits until they were lifted (kernels/tile_ops.py, 'Subnormal operands')."""
+    problem = subnormal_decay_problem(ProblemSpec(seqlen=seqlen, x_dtype=x_dtype,
+                                                  bc_dtype=x_dtype), case, impl.device or "cpu")
     reason = impl.why_unsupported(problem)
     if reason:
         pytest.skip(reason)
     exact = check.exact_stages(problem)
     assert 1e-36 < float(exact["final_states"].abs().max()) < 1e-30   # normal, and decayed
-    expected_miss = (case, x_dtype) in SUBNORMAL_CUT_MISSES.get(impl.name, ())
-    if expected_miss:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "a subnormal operand cut into bf16/TF32 terms keeps a few bits (kernels/tile_ops.py, "
-            "'Subnormal operands')")))
-    # An expected miss leaves no repro artifact: CI uploads failures/ as failures.
-    recording = (nullcontext(repro.FailureRecord()) if expected_miss else
-                 artifact(impl, f"subnormal-decay-{case}-{x_dtype}-L{seqlen}", problem, None))
-    with recording as rec:
+    with artifact(impl, f"subnormal-decay-{case}-{x_dtype}-L{seqlen}", problem, None) as rec:
         assert_accurate(impl, problem, impl(problem), exact, rec, steer=False)
 
 
-@pytest.mark.parametrize("case", ("carried_state", "large_x", "large_B"))
+@pytest.mark.parametrize("case", SUBNORMAL_CASES)
 def test_the_rule_refuses_the_decayed_terms_flushed_to_zero(case):
     """What the test above catches: the reference's out and final states with the subnormal
     decay's terms zeroed, as a flushing exp2 returns them, break the rule in both stages."""
-    problem = subnormal_decay_problem(REFERENCE, case, "fp32", SUBNORMAL_SPAN)
+    problem = subnormal_decay_problem(ProblemSpec(seqlen=SUBNORMAL_SPAN), case)
     exact = check.exact_stages(problem)
     result = REFERENCE(problem)
     flushed = replace(result, out=torch.zeros_like(result.out),
