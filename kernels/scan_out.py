@@ -115,8 +115,8 @@ import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.state_scan import add_state_backward, next_state, step_log2_cumsum
-from kernels.tile_ops import (LIFT, MODE, KernelVariant, array_constraint, cuts_against_raw,
-                              exp2_nonpos, index_variants, kernel_signature, latency_hint,
+from kernels.tile_ops import (LIFT, MODE, KernelVariant, array_constraint, exp2_nonpos,
+                              index_variants, kernel_signature, latency_hint,
                               load_transposed, log2_decay_between, placeholder, precise_mma,
                               scalar_constraint, silu_gated)
 
@@ -362,14 +362,10 @@ class ScanOutConfig(KernelVariant):
     # The walk of out computes each chunk's out transposed (``kernels.ssd.walk_out_transposed``):
     # the same products, the state an MMA operand in registers.
     out_transposed: bool = False
-
-    @property
-    def lifted(self) -> bool:
-        """Whether the state update cuts against a raw 16-bit operand: then the walk takes dt
-        LIFT above scale (``ChunkCumsumConfig.lifts_dt``, set by kernels.ssd's plan) and its
-        state walks so ('Lift')."""
-        return cuts_against_raw(self.state_precision, self.x_dtype, self.b_dtype, self.p_block,
-                                self.n_pad)
+    # dt arrives LIFT above scale (chunk_cumsum's ``lifts_dt``) and the state walks so ('Lift'):
+    # a field, not derived from the state update's mode, so that it names what the caller hands
+    # in; kernels.ssd's plan sets both where the update cuts against a raw 16-bit operand.
+    lifted: bool = False
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,

@@ -147,7 +147,7 @@ from kernels.entering_states import (ENTERING_P_BLOCK, EnteringStatesConfig,
                                      segment_entering_states)
 from kernels.scan_out import ScanOutConfig, scan_out
 from kernels.state_scan import StateScanConfig, state_scan
-from kernels.tile_ops import INT32_LIMIT, PRECISIONS, needs_int64, next_pow2
+from kernels.tile_ops import INT32_LIMIT, PRECISIONS, cuts_against_raw, needs_int64, next_pow2
 from oracles.common import SSDResult
 
 SUPPORTED_CHUNK_SIZES = (64, 128, 256)
@@ -1071,7 +1071,9 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                                        walk_states_mode),
                              out_transposed=walk_out_transposed(
                                  mode, occupancy, shared_scores, n_pad, early, key.has_d,
-                                 key.z_dtype is not None))
+                                 key.z_dtype is not None),
+                             lifted=cuts_against_raw(walk_states_mode, key.x_dtype, key.b_dtype,
+                                                     p_block, n_pad))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
