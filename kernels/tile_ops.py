@@ -59,14 +59,17 @@ bits: where such a product met a term of 1e6 (outputs near 1e-33), out erred by 
 3xtf32 between two float32 operands) the terms after the first work LIFT = 2^16 above scale: their
 products are summed apart and scaled back before the first terms' (``_split_times_split``). Powers
 of two: every output of 12 ordinary calls stayed equal bit for bit on the H200, the first anchor in
-float32 took 1.03x the time, in 3xtf32 0.95x, the other calls 0.994-1.003x; a sum of the cut
-products of 2^112 (5e33) or more now overflows. Left: a float32 operand cut against a raw 16-bit one
-(``_exact_times_split``: the bf16 default's final states, 2xbf16, 3xtf32 with 16-bit x) keeps the
-limit, large B's final states 10-970 times the allowance (tests/test_properties.py, decays below the
-smallest normal, marks these misses). Lifting those too (the decay weights and the summed state,
-scaled back per chunk or where stored) passed every case but took bf16 calls that return final
-states 1.01-1.40x the time (reports/h200/experiments/subnormal_lift_af31375.txt, after
-subnormal_cut_lift_797e011.txt).
+float32 took 1.03x the time, in 3xtf32 0.95x, the other calls 0.994-1.003x. A float32 operand cut
+against a raw 16-bit one (``_exact_times_split``: the bf16 default's final states, 2xbf16, 3xtf32
+with 16-bit x; ``cuts_against_raw``) kept the limit, large B's final states 10-970 times the
+allowance, until its callers lifted it (1439ebb): chunk_state's increments take their weights LIFT
+above scale and scale the sum back (a fresh accumulator), and the walk (kernels/scan_out.py,
+'Lift') takes dt LIFT above scale from chunk_cumsum and carries its state so. Lifting inside the
+walk's step instead (the state or out's own term scaled there) took bf16 calls that return final
+states 1.01-1.40x the time (reports/h200/experiments/subnormal_lift_af31375.txt); lifted at dt's
+source, every output of 8 ordinary calls stayed equal bit for bit, those calls 0.993-1.011x
+(subnormal_lift_dt_source_1439ebb.txt). The price of every lift: a sum of lifted products, or a
+lifted state or out, of 2^112 (5e33) or more overflows.
 """
 from __future__ import annotations
 
