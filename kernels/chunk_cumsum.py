@@ -5,8 +5,6 @@
        log2_decay_cumsum (b, H, nchunks, 2, Q) fp32:  inclusive cumsum S over each chunk of
        dt_out * A * log2(e), flat past seqlen (decays are exp2 of differences, never > 1), as
        hi + lo: [..., 0, :] = hi, the float32 nearest S; [..., 1, :] = lo, what hi leaves out
-    (``lifts_dt``: dt_out is stored LIFT times the above, for the walks that keep their state
-    LIFT above scale: kernels/scan_out.py, 'Lift')
 
 One block per (chunk, batch row, block of HEAD_BLOCK heads); the chunk is one tile, so the cumsum
 is one in-register scan.
@@ -30,7 +28,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from kernels.tile_ops import (LIFT, LOG2_E, KernelVariant, array_constraint, index_variants,
+from kernels.tile_ops import (LOG2_E, KernelVariant, array_constraint, index_variants,
                               kernel_signature, next_pow2, scalar_constraint, softplus,
                               two_sum_add)
 
@@ -46,7 +44,7 @@ def chunk_cumsum_kernel(dt, A, dt_bias, dt_out, log2_decay_cumsum, seqlen, nhead
                         dt_min: float, dt_max: float,
                         CHUNK: ct.Constant[int], HEAD_BLOCK: ct.Constant[int],
                         HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
-                        HAS_LIMIT: ct.Constant[bool], LIFTS_DT: ct.Constant[bool]):
+                        HAS_LIMIT: ct.Constant[bool]):
     chunk = ct.bid(0)
     batch = ct.bid(1) // nhead_blocks
     head_block = ct.bid(1) % nhead_blocks
@@ -71,8 +69,6 @@ def chunk_cumsum_kernel(dt, A, dt_bias, dt_out, log2_decay_cumsum, seqlen, nhead
     # Renormalise: hi the float32 nearest hi + lo (what the stage reports), lo the rest.
     total = hi + lo
     lo = lo - (total - hi)
-    if LIFTS_DT:
-        step = step * LIFT
     ct.store(dt_out, (batch, head_block, chunk, 0), step.reshape((1, HEAD_BLOCK, 1, CHUNK)))
     tile = (1, HEAD_BLOCK, 1, 1, CHUNK)
     ct.store(log2_decay_cumsum, (batch, head_block, chunk, 0, 0), total.reshape(tile))
@@ -97,11 +93,9 @@ class ChunkCumsumConfig(KernelVariant):
     has_limit: bool = False
     wide: bool = False
     occupancy: int | None = None
-    lifts_dt: bool = False
 
     def constants(self) -> tuple:
-        return (self.chunk_size, self.head_block, self.has_bias, self.softplus, self.has_limit,
-                self.lifts_dt)
+        return (self.chunk_size, self.head_block, self.has_bias, self.softplus, self.has_limit)
 
     def signature(self):
         f32 = torch.float32
@@ -115,7 +109,7 @@ class ChunkCumsumConfig(KernelVariant):
     def describe(self) -> str:
         return (f"chunk_cumsum dt={self.dt_dtype} Q={self.chunk_size} HB={self.head_block} "
                 f"bias={self.has_bias} softplus={self.softplus} limit={self.has_limit} "
-                f"int64={self.wide} lifts_dt={self.lifts_dt}")
+                f"int64={self.wide}")
 
 
 def head_block_for(nheads: int) -> int:

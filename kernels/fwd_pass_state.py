@@ -55,11 +55,10 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from kernels.tile_ops import (LIFT, MODE, KernelVariant, array_constraint, cuts_against_raw,
-                              exp2_nonpos, is_16bit, index_variants, kernel_signature,
-                              latency_hint, load_log2_cumsum, load_transposed, log2_cumsum_at,
-                              log2_decay_between, log2_decay_since, placeholder, precise_mma,
-                              scalar_constraint)
+from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, is_16bit,
+                              index_variants, kernel_signature, latency_hint, load_log2_cumsum,
+                              load_transposed, log2_cumsum_at, log2_decay_between,
+                              log2_decay_since, placeholder, precise_mma, scalar_constraint)
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -91,12 +90,10 @@ def chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_
                     ROW_BLOCK: ct.Constant[int], P_BLOCK: ct.Constant[int],
                     N_BLOCK: ct.Constant[int], MODE: ct.Constant[int],
                     HAS_SEQ: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
-                    ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int],
-                    LIFTED: ct.Constant[bool]):
+                    ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int]):
     """(P_BLOCK, N_BLOCK) float32: sum over the positions t of end's chunk up to ``end`` (and in
     seq_end's sequence) of (x_t dt_t 2^(S_end - S_t)) (outer) B_t. LATENCY: the x and B loads'
-    latency hint (``load_transposed``). LIFTED (``tile_ops.cuts_against_raw``): the weights are
-    cut LIFT above scale and the sum scaled back, so a decay below 2^-126 keeps its bits."""
+    latency hint (``load_transposed``)."""
     chunk = end // CHUNK
     end_local = end - chunk * CHUNK
     # The increment is a contraction over the chunk's positions, the strided axis of both x and
@@ -126,8 +123,6 @@ def chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_
                              ).reshape((ROW_BLOCK, N_BLOCK))
         dt_rows = ct.load(dt, (batch, head, chunk, row_block),
                           shape=(1, 1, 1, ROW_BLOCK)).reshape((ROW_BLOCK,))
-        if LIFTED:
-            dt_rows = dt_rows * LIFT
         hi_rows, lo_rows = load_log2_cumsum(log2_decay_cumsum, batch, head, chunk, row_block,
                                             ROW_BLOCK)
         keep = local <= end_local
@@ -145,8 +140,6 @@ def chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_
             acc = precise_mma(x_cols.astype(ct.float32) * w[None, :], B_rows, acc, MODE, x.dtype)
         else:
             acc = precise_mma(x_cols, B_rows.astype(ct.float32) * w[:, None], acc, MODE, x.dtype)
-    if LIFTED:
-        acc = acc * (1.0 / LIFT)
     if TRANSPOSED:
         acc = acc.transpose()
     return acc
@@ -160,7 +153,7 @@ def increment_tile(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seq
                    N_BLOCK: ct.Constant[int], MODE: ct.Constant[int], HAS_SEQ: ct.Constant[bool],
                    PER_SEQ_START: ct.Constant[bool], VARLEN: ct.Constant[bool],
                    TRANSPOSED: ct.Constant[bool], ORDERED_LOADS: ct.Constant[bool],
-                   LATENCY: ct.Constant[int], LIFTED: ct.Constant[bool]):
+                   LATENCY: ct.Constant[int]):
     """Tile ``pid``: one target's increment for one head and P x N tile, and its carry weight."""
     head, p_block, n_block, rest = split_block_index(pid, nheads, n_p_blocks, n_n_blocks)
     target = rest % ntargets
@@ -186,7 +179,7 @@ def increment_tile(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seq
         ct.store(carry_weight, (batch, head, target), weight.reshape((1, 1, 1)))
     acc = chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_block,
                           n_block, end, seq_end, hi_end, lo_end, CHUNK, ROW_BLOCK, P_BLOCK,
-                          N_BLOCK, MODE, HAS_SEQ, TRANSPOSED, ORDERED_LOADS, LATENCY, LIFTED)
+                          N_BLOCK, MODE, HAS_SEQ, TRANSPOSED, ORDERED_LOADS, LATENCY)
 
     if PER_SEQ_START:
         # seq(e) began at r = cu_seqlens[seq(e)] inside this chunk (when not carried) from its own
@@ -211,7 +204,7 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
                        HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
                        VARLEN: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
                        ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int],
-                       PERSISTENT: ct.Constant[bool], LIFTED: ct.Constant[bool]):
+                       PERSISTENT: ct.Constant[bool]):
     # PERSISTENT: resident blocks walk the ntiles tiles (KernelVariant.launch_blocks); at the
     # first anchor ncu measured 17% achieved occupancy against 25% possible
     # (experiments/ncu_anchor0_out_alone_5d543e6.txt.gz).
@@ -221,13 +214,13 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
                            target_ends, increment, carry_weight, seqlen, nchunks, ntargets,
                            nheads, heads_per_group, n_p_blocks, n_n_blocks, tile, CHUNK,
                            ROW_BLOCK, P_BLOCK, N_BLOCK, MODE, HAS_SEQ, PER_SEQ_START, VARLEN,
-                           TRANSPOSED, ORDERED_LOADS, LATENCY, LIFTED)
+                           TRANSPOSED, ORDERED_LOADS, LATENCY)
     else:
         increment_tile(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seqlens,
                        target_ends, increment, carry_weight, seqlen, nchunks, ntargets, nheads,
                        heads_per_group, n_p_blocks, n_n_blocks, ct.bid(0), CHUNK, ROW_BLOCK,
                        P_BLOCK, N_BLOCK, MODE, HAS_SEQ, PER_SEQ_START, VARLEN, TRANSPOSED,
-                       ORDERED_LOADS, LATENCY, LIFTED)
+                       ORDERED_LOADS, LATENCY)
 
 
 def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, chunk_states,
@@ -302,16 +295,10 @@ class ChunkStateConfig(KernelVariant):
     worker_warps: int | None = None     # tile_ops.with_hints; None: the compiler's (4)
     persistent: bool = False            # KernelVariant.launch_blocks
 
-    @property
-    def lifted(self) -> bool:
-        return cuts_against_raw(self.precision, self.x_dtype, self.b_dtype, self.p_block,
-                                self.n_block)
-
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_block,
                 MODE[self.precision], self.has_seq, self.per_seq_start, self.varlen,
-                self.transposed, self.ordered_loads, self.latency, self.persistent,
-                self.lifted)
+                self.transposed, self.ordered_loads, self.latency, self.persistent)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
@@ -330,8 +317,7 @@ class ChunkStateConfig(KernelVariant):
                 f"per_seq_start={self.per_seq_start} varlen={self.varlen} "
                 f"transposed={self.transposed} ordered_loads={self.ordered_loads} "
                 f"latency={self.latency} int64={self.wide} occupancy={self.occupancy} "
-                f"worker_warps={self.worker_warps} persistent={self.persistent} "
-                f"lifted={self.lifted}")
+                f"worker_warps={self.worker_warps} persistent={self.persistent}")
 
 
 @dataclass(frozen=True)

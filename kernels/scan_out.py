@@ -90,21 +90,6 @@ spill, 218,656 bytes; 32 heads out alone from initial states, in eight segments,
 SM: the states-only walk 128 registers, no spill, 114,920 bytes, the walk 128 registers, 16 bytes
 spilled, 101,040 bytes.
 Unsplit (``segmented`` False) it compiles to the machine code it had before the knob.
-
-Lift (``lifted``): where the state update cuts its weighted operand against a raw 16-bit one (bf16
-x and B with final states, '3xbf16'; ``tile_ops.cuts_against_raw``), a weight below 2^-126 would
-keep a few bits in the cut (kernels/tile_ops.py, 'Subnormal operands'). The plan then has
-chunk_cumsum store dt LIFT above scale (``ChunkCumsumConfig.lifts_dt``), so every weight, the
-increments and the state the walk carries are LIFT above theirs, and out's own term with them;
-the entering state is lifted where loaded, out scaled back before D and z, the state where
-stored: the states between kernels (segments' end and entering states) are not lifted. Powers
-of two, so ordinary values scale exactly; the states and out above 2^112 (5e33) overflow. The
-other ways tried multiplied in the step (the state scaled back each chunk, or out's own term
-lifted there) and made the compiler restructure the step loop (up to 1.40x the time on the H200:
-reports/h200/experiments/subnormal_lift_af31375.txt); with dt lifted at its source the step
-computes as before: on sm_90 the three anchors' walks with final states keep their registers
-and tensor-core MMAs (HGMMA 25 / 32 / 36), their MUFU ops but at the third (90 against 88),
-and their shared memory but 16 bytes at the third.
 """
 from __future__ import annotations
 
@@ -115,10 +100,10 @@ import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.state_scan import add_state_backward, next_state, step_log2_cumsum
-from kernels.tile_ops import (LIFT, MODE, KernelVariant, array_constraint, exp2_nonpos,
-                              index_variants, kernel_signature, latency_hint,
-                              load_transposed, log2_decay_between, placeholder, precise_mma,
-                              scalar_constraint, silu_gated)
+from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants,
+                              kernel_signature, latency_hint, load_transposed,
+                              log2_decay_between, placeholder, precise_mma, scalar_constraint,
+                              silu_gated)
 
 ZERO = ct.PaddingMode.ZERO
 # The shared scores' launch with cuTile's occupancy hint 2: on sm_90 the kernel then fits 128
@@ -148,8 +133,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     STATE_MODE: ct.Constant[int], SEGMENTED: ct.Constant[bool],
                     OUT: ct.Constant[bool], UPDATE_EARLY: ct.Constant[bool],
                     X_LATENCY: ct.Constant[int], B_LATENCY: ct.Constant[int],
-                    BACKWARD: ct.Constant[bool], OUT_TRANSPOSED: ct.Constant[bool],
-                    LIFTED: ct.Constant[bool]):
+                    BACKWARD: ct.Constant[bool], OUT_TRANSPOSED: ct.Constant[bool]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -173,9 +157,6 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
     if HAS_START:
         h = ct.load(start_states, (state_row, head, p_block, 0), shape=(1, 1, P_BLOCK, N_PAD),
                     padding_mode=ZERO).reshape((P_BLOCK, N_PAD)).astype(ct.float32)
-        # LIFTED: dt comes LIFT above scale, so the state walks LIFT above it ('Lift').
-        if LIFTED:
-            h = h * LIFT
     if HAS_D:
         d = ct.load(D, (head, p_block), shape=(1, P_BLOCK), padding_mode=ZERO)
     position = ct.arange(CHUNK, dtype=ct.int32)
@@ -288,8 +269,6 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                                                   lo[None, :])
                     weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
                     y = precise_mma(weights, x_c, y, MODE, x.dtype)
-                if LIFTED:
-                    y = y * (1.0 / LIFT)
                 if HAS_D:
                     y = y + d * x_c.astype(ct.float32)
                 if HAS_Z:
@@ -312,8 +291,6 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 if STEP == 1 or chunk < nchunks:
                     ct.store(out, (batch, chunk, head, p_block),
                              y.reshape((1, CHUNK, 1, P_BLOCK)).astype(out.dtype))
-    if LIFTED:
-        h = h * (1.0 / LIFT)
     ct.store(final_states, (state_row, head, p_block, 0), h.reshape((1, 1, P_BLOCK, N_PAD)))
 
 
@@ -362,17 +339,12 @@ class ScanOutConfig(KernelVariant):
     # The walk of out computes each chunk's out transposed (``kernels.ssd.walk_out_transposed``):
     # the same products, the state an MMA operand in registers.
     out_transposed: bool = False
-    # dt arrives LIFT above scale (chunk_cumsum's ``lifts_dt``) and the state walks so ('Lift'):
-    # a field, not derived from the state update's mode, so that it names what the caller hands
-    # in; kernels.ssd's plan sets both where the update cuts against a raw 16-bit operand.
-    lifted: bool = False
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,
                 self.has_d, self.has_z, self.shared_scores, self.chunks_per_step,
                 MODE[self.state_precision], self.segmented, self.computes_out, self.update_early,
-                self.x_latency, self.b_latency, self.backward, self.out_transposed,
-                self.lifted)
+                self.x_latency, self.b_latency, self.backward, self.out_transposed)
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""
@@ -401,7 +373,7 @@ class ScanOutConfig(KernelVariant):
                 f"occupancy={self.occupancy} worker_warps={self.worker_warps} "
                 f"step={self.chunks_per_step} segmented={self.segmented} "
                 f"out={self.computes_out} backward={self.backward} "
-                f"transposed={self.out_transposed} lifted={self.lifted}")
+                f"transposed={self.out_transposed}")
 
 
 def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutConfig,

@@ -147,7 +147,7 @@ from kernels.entering_states import (ENTERING_P_BLOCK, EnteringStatesConfig,
                                      segment_entering_states)
 from kernels.scan_out import ScanOutConfig, scan_out
 from kernels.state_scan import StateScanConfig, state_scan
-from kernels.tile_ops import INT32_LIMIT, PRECISIONS, cuts_against_raw, needs_int64, next_pow2
+from kernels.tile_ops import INT32_LIMIT, PRECISIONS, needs_int64, next_pow2
 from oracles.common import SSDResult
 
 SUPPORTED_CHUNK_SIZES = (64, 128, 256)
@@ -1071,9 +1071,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                                        walk_states_mode),
                              out_transposed=walk_out_transposed(
                                  mode, occupancy, shared_scores, n_pad, early, key.has_d,
-                                 key.z_dtype is not None),
-                             lifted=cuts_against_raw(walk_states_mode, key.x_dtype, key.b_dtype,
-                                                     p_block, n_pad))
+                                 key.z_dtype is not None))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
@@ -1084,8 +1082,6 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
             entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
                                             p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,
                                             has_start=key.start_dtype is not None, wide=wide)
-    if walk is not None and walk.lifted:
-        cumsum = replace(cumsum, lifts_dt=True)
     return Plan(cumsum, chunk_state, passing, out, scan, walk, segment_states, segments, parts,
                 entering)
 
@@ -1243,11 +1239,8 @@ def launch_stages(pipeline: StagePipeline) -> SSDResult:
     else:
         chunk_states, final_states, varlen_states = pipeline.states(dt, log2_cumsum, stream)
         out = pipeline.out(dt, log2_cumsum, chunk_states, stream)
-    # dt None where it is stored LIFT above scale for the walk (only calls that want no chunk
-    # states walk, so ssd_forward_stages never does).
     return SSDResult(out=out, final_states=final_states, varlen_states=varlen_states,
-                     stages={"dt": None if pipeline.plan.cumsum.lifts_dt else dt,
-                             "log2_decay_cumsum": log2_cumsum[..., 0, :],
+                     stages={"dt": dt, "log2_decay_cumsum": log2_cumsum[..., 0, :],
                              "chunk_states": chunk_states})
 
 

@@ -59,17 +59,18 @@ bits: where such a product met a term of 1e6 (outputs near 1e-33), out erred by 
 3xtf32 between two float32 operands) the terms after the first work LIFT = 2^16 above scale: their
 products are summed apart and scaled back before the first terms' (``_split_times_split``). Powers
 of two: every output of 12 ordinary calls stayed equal bit for bit on the H200, the first anchor in
-float32 took 1.03x the time, in 3xtf32 0.95x, the other calls 0.994-1.003x. A float32 operand cut
-against a raw 16-bit one (``_exact_times_split``: the bf16 default's final states, 2xbf16, 3xtf32
-with 16-bit x; ``cuts_against_raw``) kept the limit, large B's final states 10-970 times the
-allowance, until its callers lifted it (1439ebb): chunk_state's increments take their weights LIFT
-above scale and scale the sum back (a fresh accumulator), and the walk (kernels/scan_out.py,
-'Lift') takes dt LIFT above scale from chunk_cumsum and carries its state so. Lifting inside the
-walk's step instead (the state or out's own term scaled there) took bf16 calls that return final
-states 1.01-1.40x the time (reports/h200/experiments/subnormal_lift_af31375.txt); lifted at dt's
-source, every output of 8 ordinary calls stayed equal bit for bit, those calls 0.993-1.011x
-(subnormal_lift_dt_source_1439ebb.txt). The price of every lift: a sum of lifted products, or a
-lifted state or out, of 2^112 (5e33) or more overflows.
+float32 took 1.03x the time, in 3xtf32 0.95x, the other calls 0.994-1.003x; a sum of the cut
+products of 2^112 (5e33) or more now overflows. Left: a float32 operand cut against a raw 16-bit one
+(``_exact_times_split``: the bf16 default's final states, 2xbf16, 3xtf32 with 16-bit x) keeps the
+limit, large B's final states 10-970 times the allowance (tests/test_properties.py, decays below the
+smallest normal, and tests/test_kernels_gpu.py for the walk mark these misses). Lifting those too
+passed every case: scaled inside the walk's step it took bf16 calls that return final states
+1.01-1.40x the time (reports/h200/experiments/subnormal_lift_af31375.txt, after
+subnormal_cut_lift_797e011.txt); with dt lifted where chunk_cumsum stores it and the walk's state
+carried lifted, 0.993-1.011x, outputs bit-equal, but states and out of 2^112 or more then overflow
+to inf and NaN where these kernels return them finite (bf16 x and B of 3e17:
+subnormal_lift_dt_source_1439ebb.txt). Not kept: a fixed lift trades float32's top 16 binades
+for its bottom ones, and the tests of both ends (near the top of float32's range) stay.
 """
 from __future__ import annotations
 
@@ -364,24 +365,6 @@ def placeholder(device: torch.device, dtype: torch.dtype, ndim: int) -> torch.Te
     one per call costs a kernel launch, and views of another array a few microseconds each, on
     the host's critical path."""
     return torch.zeros((1,) * ndim, device=device, dtype=dtype)
-
-
-def cuts_against_raw(precision: str, x_dtype: torch.dtype, b_dtype: torch.dtype, p_block: int,
-                     n_block: int) -> bool:
-    """Whether an increment x^T (w o B) in ``precision`` cuts its weighted operand (float32) into
-    bf16 or TF32 terms against the other, raw 16-bit one (``_exact_times_split``), which keeps an
-    operand below 2^-126 to a few bits (module docstring, 'Subnormal operands'): the branch
-    ``precise_mma`` takes for the operands ``weights_ride_on_x`` (kernels/fwd_pass_state.py)
-    gives it, on the host. Kernels whose increments do are handed a LIFTED flag."""
-    sixteen = (torch.bfloat16, torch.float16)
-    on_x = ((x_dtype in sixteen) == (b_dtype in sixteen) and p_block <= n_block
-            or b_dtype in sixteen and x_dtype not in sixteen)
-    raw = b_dtype if on_x else x_dtype
-    if precision in ("2xbf16", "3xbf16") and raw == torch.bfloat16:
-        return True
-    if precision == "3xbf16" or precision in ("2xfp16", "3xfp16") and raw == torch.float16:
-        return False    # both cut (lifted in _split_times_split), or fp16's scaled split
-    return precision in ("2xbf16", "2xfp16", "3xfp16", "3xtf32") and raw in sixteen
 
 
 def next_pow2(n: int) -> int:

@@ -647,44 +647,49 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("case", SUBNORMAL_CASES)
+@pytest.mark.parametrize("case", [
+    *(c for c in SUBNORMAL_CASES if c != "large_B"),
+    pytest.param("large_B", marks=pytest.mark.xfail(strict=True, reason=(
+        "a subnormal operand cut into bf16 terms against raw bf16 keeps a few bits "
+        "(kernels/tile_ops.py, 'Subnormal operands')")))])
 @pytest.mark.parametrize("batch, seqlen, nheads, segments", [(2, 2048, 64, 1), (1, 16448, 48, 2)])
-def test_the_walk_keeps_decays_below_the_smallest_normal(case, batch, seqlen, nheads, segments):
+def test_the_walk_on_decays_below_the_smallest_normal(case, batch, seqlen, nheads, segments):
     """The subnormal-decay problem (``properties.problems.subnormal_decay_problem``: a decay of
     2^-132 across the last chunk applied to a term of 1e6) where the walk takes it with final
-    states, unsplit at 128 (row, head) pairs and in two segments at 48: its state update cuts
-    bf16 x against raw bf16 B, so dt comes LIFT above scale and the state walks so
-    (kernels/scan_out.py, 'Lift'). Out and final states held to the rule against float64, as
-    are the chunk-state kernels' (``check_problem`` runs both)."""
+    states, unsplit at 128 (row, head) pairs and in two segments at 48, which the property
+    test's small problems never reach. Out and final states held to the rule against float64, as
+    are the chunk-state kernels' (``check_problem`` runs both). Its state update cuts bf16 x
+    against raw bf16 B: large B's final states miss (1e-2 relative on the H200,
+    reports/h200/experiments/subnormal_lift_dt_source_1439ebb.txt), a known limit marked strict
+    xfail, as in tests/test_properties.py."""
     from kernels.gpu_check import check_problem
     from kernels.ssd import stage_pipeline
     spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
                        chunk_size=64, x_dtype="bf16", bc_dtype="bf16", return_final_states=True)
     problem = subnormal_decay_problem(spec, case, "cuda")
     plan = stage_pipeline(problem).plan
-    assert plan.scan_out is not None and plan.scan_out.lifted and plan.cumsum.lifts_dt
-    assert plan.walk_segments == segments
+    assert plan.scan_out is not None and plan.walk_segments == segments
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
 
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.xfail(strict=True, reason="a lifted state or out of 2^112 or more overflows "
-                                       "(kernels/tile_ops.py, 'Subnormal operands')")
 @pytest.mark.parametrize("batch, seqlen, nheads", [(2, 2048, 64), (1, 16448, 48)])
-def test_the_lifted_walk_near_the_top_of_float32s_range(batch, seqlen, nheads):
-    """The lift's price where the walk takes it: bf16 x and B of ~3e17 make final states of
-    ~1e35 and out of ~1e36, finite in float32 and bf16 (3.4e38), which the walk, its state and
-    out 2^16 above scale, overflows. A known limit, marked strict xfail: a fix must unmark it."""
+def test_the_walk_near_the_top_of_float32s_range(batch, seqlen, nheads):
+    """bf16 x and B of ~3e17 where the walk takes the call with final states: final
+    states of ~1e35 and out of ~1e36 (its 128 positions of dstate), finite in float32 and bf16
+    (3.4e38), held to the rule. A state kept 2^16 above scale overflowed here
+    (reports/h200/experiments/subnormal_lift_dt_source_1439ebb.txt)."""
     from kernels.gpu_check import check_problem
     from kernels.ssd import stage_pipeline
     p = build_problem(ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64,
                                   dstate=128, chunk_size=64, x_dtype="bf16", bc_dtype="bf16",
                                   return_final_states=True), "cuda")
-    problem = p.with_tensors(**{name: (t.double() * STATE_NEAR_TOP_SCALE).to(t.dtype)
+    scale = STATE_NEAR_TOP_SCALE["bf16"]
+    problem = p.with_tensors(**{name: (t.double() * scale).to(t.dtype)
                                 for name, t in (("x", p.x), ("B", p.B))})
-    assert stage_pipeline(problem).plan.scan_out.lifted
+    assert stage_pipeline(problem).plan.scan_out is not None
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
 

@@ -251,51 +251,6 @@ def test_calls_returning_final_states_walk_with_float32_grade_increments():
                                  cu_dtype=torch.int32, nseq=2)).scan_out is None
 
 
-def test_walks_cutting_against_a_raw_operand_take_dt_lifted_from_the_cumsum():
-    """Where the walk's state update cuts its weighted operand against a raw 16-bit one (bf16
-    with final states, '3xbf16'), chunk_cumsum stores dt LIFT above scale and both walks of a
-    split call take it so (kernels/scan_out.py, 'Lift'); out alone, or fp16's scaled splits, not.
-    Every covering plan keeps the cumsum and its walks in step: a walk handed a dt of the other
-    scale would return its states 2^16 off."""
-    from kernels.variants import COVERING_KEYS
-    returned = replace(anchor_key(), chunk_size=64, states_returned=True)
-    assert ssd.make_plan(returned).scan_out.lifted and ssd.make_plan(returned).cumsum.lifts_dt
-    alone = ssd.make_plan(replace(returned, states_returned=False))
-    assert not alone.scan_out.lifted and not alone.cumsum.lifts_dt
-    fp16 = ssd.make_plan(replace(returned, x_dtype=torch.float16, b_dtype=torch.float16,
-                                 c_dtype=torch.float16))
-    assert fp16.scan_out.state_precision == "3xfp16" and not fp16.cumsum.lifts_dt
-    split = ssd.make_plan(replace(returned, batch=1, seqlen=65536))
-    assert split.segment_states.lifted and split.scan_out.lifted and split.cumsum.lifts_dt
-    lifted_walks = 0
-    for _, key, state_dtype, precision, *_ in COVERING_KEYS:
-        plan = ssd.make_plan(key, state_dtype, precision)
-        walks = [w for w in (plan.scan_out, plan.segment_states) if w is not None]
-        assert all(w.lifted == plan.cumsum.lifts_dt for w in walks)
-        lifted_walks += plan.cumsum.lifts_dt
-    assert lifted_walks >= 2
-
-
-@pytest.mark.parametrize("precision, x_dtype, b_dtype, cut_against_raw", [
-    ("3xbf16", bf16, bf16, True), ("2xbf16", bf16, bf16, True),
-    ("3xbf16", torch.float32, bf16, True), ("3xbf16", bf16, torch.float32, True),
-    ("3xbf16", torch.float32, torch.float16, False),
-    ("3xbf16", torch.float32, torch.float32, False),
-    ("3xtf32", torch.float16, torch.float16, True), ("3xtf32", torch.float32, torch.float32, False),
-    ("3xfp16", torch.float16, torch.float16, False), ("2xfp16", bf16, bf16, True),
-    ("input", bf16, bf16, False), ("ieee", bf16, bf16, False), ("tf32", bf16, bf16, False)])
-def test_the_lift_follows_the_branch_precise_mma_takes(precision, x_dtype, b_dtype,
-                                                       cut_against_raw):
-    """``tile_ops.cuts_against_raw``: the weighted operand (x's at headdim <= dstate between
-    operands of one kind, else the float32 one's) is cut against the other, raw, in the bf16
-    splits against bf16, in TF32 terms against any 16-bit operand where the mode has no split of
-    its own for it (3xtf32, 2xbf16 against fp16, the fp16 splits against bf16); not where both
-    are cut (lifted there), in fp16's scaled splits against fp16, nor in the modes that round
-    instead of cutting."""
-    from kernels.tile_ops import cuts_against_raw
-    assert cuts_against_raw(precision, x_dtype, b_dtype, 64, 128) is cut_against_raw
-
-
 def test_the_walk_updates_its_state_early_where_the_h200_ran_it_faster():
     """bf16 walks of out split into segments or returning final states update the state right
     after the entering state's term and load x last (``ssd.walk_updates_early``); out alone
