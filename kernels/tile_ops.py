@@ -50,27 +50,25 @@ failure.
 A product of two raw 16-bit inputs of one dtype (C . B^T with bf16 B and C) is exact in every mode
 and always runs in that dtype.
 
-Subnormal operands: bf16 and TF32 share float32's exponent range, so a term holds an operand's bits
-only down to its own subnormal spacing, 2^-133 (bf16) or 2^-136 (TF32). Cut as they were, float32
-operands below 2^-126 (a decay below 2^-126 within a chunk, times dt, x or B) kept a few leading
-bits: where such a product met a term of 1e6 (outputs near 1e-33), out erred by 2% of its values,
-25-390 times the float32 rule's allowance (large x, float32 x), and final_states by 110-970 times it
-(large B), on the H200 at 797e011. So where both operands are cut (3xbf16 where neither is raw bf16,
-3xtf32 between two float32 operands) the terms after the first work LIFT = 2^16 above scale: their
-products are summed apart and scaled back before the first terms' (``_split_times_split``). Powers
-of two: every output of 12 ordinary calls stayed equal bit for bit on the H200, the first anchor in
-float32 took 1.03x the time, in 3xtf32 0.95x, the other calls 0.994-1.003x; a sum of the cut
-products of 2^112 (5e33) or more now overflows. Left: a float32 operand cut against a raw 16-bit one
-(``_exact_times_split``: the bf16 default's final states, 2xbf16, 3xtf32 with 16-bit x) keeps the
-limit, large B's final states 10-970 times the allowance (tests/test_properties.py, decays below the
-smallest normal, and tests/test_kernels_gpu.py for the walk mark these misses). Lifting those too
-passed every case: scaled inside the walk's step it took bf16 calls that return final states
-1.01-1.40x the time (reports/h200/experiments/subnormal_lift_af31375.txt, after
-subnormal_cut_lift_797e011.txt); with dt lifted where chunk_cumsum stores it and the walk's state
-carried lifted, 0.993-1.011x, outputs bit-equal, but states and out of 2^112 or more then overflow
-to inf and NaN where these kernels return them finite (bf16 x and B of 3e17:
-subnormal_lift_dt_source_1439ebb.txt). Not kept: a fixed lift trades float32's top 16 binades
-for its bottom ones, and the tests of both ends (near the top of float32's range) stay.
+Subnormal operands, a known limit of the cuts: bf16 and TF32 share float32's exponent range, so a
+term holds an operand's bits only down to its own subnormal spacing, 2^-133 (bf16) or 2^-136 (TF32).
+A float32 operand below 2^-126 (a decay below 2^-126 within a chunk, times dt, x or B) keeps a few
+leading bits. Where such a product meets a term of 1e6 (outputs near 1e-33), out erred by 2% of its
+values, 25-390 times the float32 rule's allowance (large x, float32 x), and final_states by 110-970
+times it (large B, float32 or bf16 x; with fp16 x and a term of 1e4, 10-85 times): on the H200 at
+797e011 and 4eb89bd in 3xbf16 (float32's default), 3xtf32 and 2xbf16, and in the bf16 default's
+final states ("ieee" passed, and fp16's own splits, which scale each row of the cut operand;
+tests/test_properties.py, decays below the smallest normal, and tests/test_kernels_gpu.py for the
+walk mark the misses). Cutting 2^16 above the operands' scale fixes them, and costs the top of
+float32's range instead: on the H200 the terms after the first lifted where both operands are cut
+(af31375: 0.95-1.03x the time, outputs bit-equal; reports/h200/experiments/
+subnormal_lift_af31375.txt) returned inf in out and final states for float32 x and B of 3e18
+(final states ~4e36, out ~2e37, finite), and dt lifted where chunk_cumsum stores it, with the
+walk's state carried lifted and chunk_state's increments lifted (1439ebb: 0.993-1.011x, outputs
+bit-equal), did for bf16 x and B of 3e17 (final states ~4e34): subnormal_lift_dt_source_1439ebb.txt.
+Neither is kept: an inf or NaN where the rule owes a finite number is a worse miss than a few bits
+of a state near 1e-33, and 379c48a's cuts return both of those calls within the rule
+(tests/test_properties.py, final states near the top of float32's range).
 """
 from __future__ import annotations
 
@@ -96,9 +94,6 @@ MODE = {name: i for i, name in enumerate(PRECISIONS)}
 # largest magnitude is taken as (an all-zero row; 2^14 / 2^-110 stays finite).
 FLOAT32_EXPONENT_BITS = 0x7F800000
 SCALE_FLOOR = 2.0**-110
-# The bf16/TF32 cuts work LIFT above their operands' scale (module docstring, "Subnormal
-# operands"); exact, being a power of two.
-LIFT = 2.0**16
 
 CT_DTYPE = {torch.float32: ct.float32, torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,
             torch.int32: ct.int32, torch.int64: ct.int64}
@@ -248,15 +243,12 @@ def _oriented_mma(exact, term, acc, EXACT_LEFT: ct.Constant[bool]):
 
 
 @ct.function
-def _terms(a, DTYPE: ct.Constant, LIFTED: ct.Constant[bool]):
+def _terms(a, DTYPE: ct.Constant):
     """(hi, mid, lo): float32 ``a`` cut in 3 terms of DTYPE (tfloat32, bfloat16 or float16),
     each rounded to nearest from what the earlier ones left: 11 more bits per TF32 or fp16 term
-    (fp16's in its normal range), 8 per bf16 term; mid and lo those of (a - hi) * LIFT where
-    LIFTED."""
+    (fp16's in its normal range), 8 per bf16 term."""
     hi = _round(a, DTYPE)
     rest = a - hi.astype(ct.float32)
-    if LIFTED:
-        rest = rest * LIFT
     mid = _round(rest, DTYPE)
     return hi, mid, _round(rest - mid.astype(ct.float32), DTYPE)
 
@@ -267,7 +259,7 @@ def _exact_times_split(exact, split_me, acc, EXACT_LEFT: ct.Constant[bool], DTYP
     """acc + exact @ split_me (or split_me @ exact): ``exact`` is exact in DTYPE (a 16-bit input),
     ``split_me`` float32 cut into TERMS (2 or 3) terms of DTYPE (``_terms``), hi + mid [+ lo]."""
     e = exact.astype(DTYPE)
-    hi, mid, lo = _terms(split_me, DTYPE, False)
+    hi, mid, lo = _terms(split_me, DTYPE)
     # Small terms first: they are then added to a small accumulator, not lost in a large one.
     if TERMS == 3:
         acc = _oriented_mma(e, lo, acc, EXACT_LEFT)
@@ -286,7 +278,7 @@ def _exact_times_scaled_split(exact, split_me, acc, EXACT_LEFT: ct.Constant[bool
     power = ct.bitcast(ct.bitcast(ct.maximum(largest, SCALE_FLOOR), ct.int32)
                        & FLOAT32_EXPONENT_BITS, ct.float32)
     e = exact.astype(ct.float16)
-    hi, mid, lo = _terms(split_me * (2.0**14 / power), ct.float16, False)
+    hi, mid, lo = _terms(split_me * (2.0**14 / power), ct.float16)
     product = ct.zeros(acc.shape, dtype=ct.float32)
     if TERMS == 3:
         product = _oriented_mma(e, lo, product, EXACT_LEFT)
@@ -296,23 +288,20 @@ def _exact_times_scaled_split(exact, split_me, acc, EXACT_LEFT: ct.Constant[bool
 
 
 @ct.function
-def _split_times_split(a, b):
-    """a @ b, neither operand raw bf16: both cut in 3 bf16 terms and the 6 products above
+def _split_times_split(a, b, acc):
+    """acc + a @ b, neither operand raw bf16: both cut in 3 bf16 terms and the 6 products above
     ~2^-27 relative summed, smallest first (see _exact_times_split). An fp16 operand's third
-    term is 0 (its 11 bits fit in two): the product with it is skipped. The terms after the first
-    are lifted by LIFT: their products are summed at that scale and scaled back before a1 b1's."""
-    a1, a2, a3 = _terms(a.astype(ct.float32), ct.bfloat16, True)
-    b1, b2, b3 = _terms(b.astype(ct.float32), ct.bfloat16, True)
-    lifted = ct.zeros((a.shape[0], b.shape[1]), dtype=ct.float32)
+    term is 0 (its 11 bits fit in two): the product with it is skipped."""
+    a1, a2, a3 = _terms(a.astype(ct.float32), ct.bfloat16)
+    b1, b2, b3 = _terms(b.astype(ct.float32), ct.bfloat16)
     if not is_16bit(a):
-        lifted = ct.mma(a3, b1, lifted)
+        acc = ct.mma(a3, b1, acc)
     if not is_16bit(b):
-        lifted = ct.mma(a1, b3, lifted)
-    # a2 b2 is lifted twice: the sum goes up once more for it.
-    lifted = ct.mma(a2, b2, lifted * LIFT) * (1.0 / LIFT)
-    lifted = ct.mma(a2, b1, lifted)
-    lifted = ct.mma(a1, b2, lifted)
-    return ct.mma(a1, b1, lifted * (1.0 / LIFT))
+        acc = ct.mma(a1, b3, acc)
+    acc = ct.mma(a2, b2, acc)
+    acc = ct.mma(a2, b1, acc)
+    acc = ct.mma(a1, b2, acc)
+    return ct.mma(a1, b1, acc)
 
 
 @ct.function
@@ -341,18 +330,18 @@ def precise_mma(a, b, acc, MODE: ct.Constant[int], LOW_DTYPE: ct.Constant):
                                         2 if MODE == MODE_2XFP16 else 3)
     elif MODE == MODE_3XBF16:
         # Both operands cut: a fresh accumulator (module docstring).
-        acc = acc + _split_times_split(a, b)
+        acc = acc + _split_times_split(a, b, ct.zeros(acc.shape, dtype=ct.float32))
     elif is_16bit(a):
         acc = _exact_times_split(a, b.astype(ct.float32), acc, True, ct.tfloat32, 3)
     elif is_16bit(b):
         acc = _exact_times_split(b, a.astype(ct.float32), acc, False, ct.tfloat32, 3)
     else:
-        a_hi, a_lo, _ = _terms(a.astype(ct.float32), ct.tfloat32, True)
-        b_hi, b_lo, _ = _terms(b.astype(ct.float32), ct.tfloat32, True)
+        a_hi, a_lo, _ = _terms(a.astype(ct.float32), ct.tfloat32)
+        b_hi, b_lo, _ = _terms(b.astype(ct.float32), ct.tfloat32)
         # Both operands cut: a fresh accumulator (module docstring).
         product = ct.mma(a_lo, b_hi, ct.zeros(acc.shape, dtype=ct.float32))
         product = ct.mma(a_hi, b_lo, product)
-        acc = acc + ct.mma(a_hi, b_hi, product * (1.0 / LIFT))
+        acc = acc + ct.mma(a_hi, b_hi, product)
     return acc
 
 
