@@ -130,7 +130,6 @@ def build_problem(spec: ProblemSpec, device="cpu", draw_on_device: bool = False)
     return validate(**kwargs)
 
 
-
 # A decay below float32's smallest normal applied to a large term (``subnormal_decay_problem``).
 SUBNORMAL_SPAN = 64            # one aligned chunk at 64; inside one chunk at any larger size
 SUBNORMAL_SPAN_LOG2_DECAY = -132.0

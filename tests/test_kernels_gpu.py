@@ -678,7 +678,7 @@ def test_the_walk_on_decays_below_the_smallest_normal(case, batch, seqlen, nhead
 @pytest.mark.parametrize("batch, seqlen, nheads", [(2, 2048, 64), (1, 16448, 48)])
 def test_the_walk_near_the_top_of_float32s_range(batch, seqlen, nheads):
     """bf16 x and B of ~3e17 where the walk takes the call with final states: final
-    states of ~1e35 and out of ~1e36 (its 128 positions of dstate), finite in float32 and bf16
+    states of ~1e35 and out of ~1e36 (a sum over dstate 128), finite in float32 and bf16
     (3.4e38), held to the rule. A state kept 2^16 above scale overflowed here
     (reports/h200/experiments/subnormal_lift_dt_source_1439ebb.txt)."""
     from kernels.gpu_check import check_problem
