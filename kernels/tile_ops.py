@@ -62,10 +62,11 @@ tests/test_properties.py, decays below the smallest normal, and tests/test_kerne
 walk mark the misses). Cutting 2^16 above the operands' scale fixes them, and costs the top of
 float32's range instead: on the H200 the terms after the first lifted where both operands are cut
 (af31375: 0.95-1.03x the time, outputs bit-equal; reports/h200/experiments/
-subnormal_lift_af31375.txt) returned inf in out and final states for float32 x and B of 3e18
-(final states ~4e36, out ~2e37, finite), and dt lifted where chunk_cumsum stores it, with the
-walk's state carried lifted and chunk_state's increments lifted (1439ebb: 0.993-1.011x, outputs
-bit-equal), did for bf16 x and B of 3e17 (final states ~4e34): subnormal_lift_dt_source_1439ebb.txt.
+subnormal_lift_af31375.txt) returned inf for float32 x and B of 3e18 (final states ~4e36, out
+~2e37, finite; out and final states in 3xbf16, float32's default, out in 3xtf32), and dt lifted
+where chunk_cumsum stores it, with the walk's state carried lifted and chunk_state's increments
+lifted (1439ebb: 0.993-1.011x, outputs bit-equal), did for bf16 x and B of 3e17 (final states
+~4e34, out ~2e35): subnormal_lift_dt_source_1439ebb.txt.
 Neither is kept: an inf or NaN where the rule owes a finite number is a worse miss than a few bits
 of a state near 1e-33, and 379c48a's cuts return both of those calls within the rule
 (tests/test_properties.py, final states near the top of float32's range).
