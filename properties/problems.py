@@ -141,6 +141,15 @@ SUBNORMAL_CASES = ("carried_state", "large_x", "large_B")
 STATE_NEAR_TOP_SCALE = {"bf16": 3e17, "fp32": 3e18}
 
 
+def near_top_problem(spec: ProblemSpec, device="cpu") -> SSDProblem:
+    """``spec``'s problem with x and B scaled by STATE_NEAR_TOP_SCALE of its x dtype: states and
+    out near the top of float32's range, still finite."""
+    p = build_problem(spec, device)
+    scale = STATE_NEAR_TOP_SCALE[spec.x_dtype]
+    return p.with_tensors(**{name: (t.double() * scale).to(t.dtype)
+                             for name, t in (("x", p.x), ("B", p.B))})
+
+
 def subnormal_decay_problem(spec: ProblemSpec, case: str, device="cpu") -> SSDProblem:
     """``spec``'s problem (initial states iff ``case`` is 'carried_state') whose last
     SUBNORMAL_SPAN steps decay by 2^-132 (each step 2^-2.06, none before them), so a kernel's

@@ -18,8 +18,8 @@ from kernels.device import CuTileUnavailable, tileiras_path
 from kernels.gpu_check import (FULL_GRID_ENV, check_case, check_int64_case, compare, grid,
                                int64_problem_bytes)
 from kernels.ssd import resolve_precision, ssd_forward, ssd_forward_stages, state_precision
-from properties.problems import (STATE_NEAR_TOP_SCALE, SUBNORMAL_CASES, ProblemSpec,
-                                 build_problem, subnormal_decay_problem)
+from properties.problems import (SUBNORMAL_CASES, ProblemSpec, build_problem, near_top_problem,
+                                 subnormal_decay_problem)
 from properties.tolerances import relation_tolerance
 
 HAS_GPU = torch.cuda.is_available()
@@ -683,12 +683,9 @@ def test_the_walk_near_the_top_of_float32s_range(batch, seqlen, nheads):
     (reports/h200/experiments/subnormal_lift_dt_source_1439ebb.txt)."""
     from kernels.gpu_check import check_problem
     from kernels.ssd import stage_pipeline
-    p = build_problem(ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64,
-                                  dstate=128, chunk_size=64, x_dtype="bf16", bc_dtype="bf16",
-                                  return_final_states=True), "cuda")
-    scale = STATE_NEAR_TOP_SCALE["bf16"]
-    problem = p.with_tensors(**{name: (t.double() * scale).to(t.dtype)
-                                for name, t in (("x", p.x), ("B", p.B))})
+    problem = near_top_problem(ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads,
+                                           headdim=64, dstate=128, chunk_size=64, x_dtype="bf16",
+                                           bc_dtype="bf16", return_final_states=True), "cuda")
     assert stage_pipeline(problem).plan.scan_out is not None
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
