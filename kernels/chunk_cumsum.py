@@ -4,7 +4,8 @@
     -> dt_out (b, H, nchunks, Q) fp32:  clamp(softplus(dt + dt_bias), dt_min, dt_max), 0 past seqlen
        log2_decay_cumsum (b, H, nchunks, 2, Q) fp32:  inclusive cumsum S over each chunk of
        dt_out * A * log2(e), flat past seqlen (decays are exp2 of differences, never > 1), as
-       hi + lo: [..., 0, :] = hi, the float32 nearest S; [..., 1, :] = lo, what hi leaves out
+       hi + lo: [..., 0, :] = hi, the float32 nearest S; [..., 1, :] = lo, what hi leaves out;
+       NaN for a head with A > 0
 
 One block per (chunk, batch row, block of HEAD_BLOCK heads); the chunk is one tile, so the cumsum
 is one in-register scan.
@@ -61,6 +62,10 @@ def chunk_cumsum_kernel(dt, A, dt_bias, dt_out, log2_decay_cumsum, seqlen, nhead
     position = chunk * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
     step = ct.where(position[None, :] < seqlen, step, 0.0)
     a = ct.load(A, (head_block,), shape=(HEAD_BLOCK,), padding_mode=ZERO)
+    # A > 0 (a growing state, which every later exp2 would clamp to a silently wrong decay) makes
+    # its head's cumsum NaN: what reaches the outputs where the host cannot refuse it first (CUDA
+    # graph capture, kernels/contract.py). An identity for A <= 0, whose bits are unchanged.
+    a = ct.where(a > 0.0, math.nan, a)
     log2_decay = step * (a * LOG2_E)[:, None]
     hi, lo = ct.scan((log2_decay, ct.zeros((HEAD_BLOCK, CHUNK), dtype=ct.float32)), axis=1,
                      func=two_sum_add, identity=(0.0, 0.0))

@@ -37,6 +37,10 @@ idles while the kernels are launched; ``defer_decay_check=True`` (what ``ssd_for
 queues their copy to pinned memory behind an event instead, and ``SSDProblem.confirm_decay``
 waits for that event only (not for the kernels launched since), takes the verdict on the host and
 raises before any output is returned.
+Under CUDA graph capture (``torch.cuda.graph``) nothing can be read back: A's values are not read,
+and chunk_cumsum makes the cumsum of a head with A > 0 NaN (kernels/chunk_cumsum.py), so every
+output that head reaches is NaN, never finite wrong numbers. seq_idx, cu_seqlens and
+``check_finite=True``, whose values are checked on the host, are refused there (``capturing``).
 The step dt is >= 0 by construction with dt_softplus or a dt_limit; without either, a negative
 dt + dt_bias is outside the contract and is refused only by the opt-in scan ``check_finite=True``
 (it reads every dt).
@@ -185,21 +189,31 @@ def _check_tensor(name, t, shape, dtypes, device, dtype_words):
         raise _fail(name, f"a tensor on {device} (the device of x)", f"a tensor on {t.device}")
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a CUDA tensor and the current CUDA stream is capturing a graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class DecayCheck:
     """A's values copied to (pinned) host memory behind an event when A is on the GPU; the A <= 0
     verdict is taken on the host at ``confirm``. No kernel of its own: on the H200's host the
     comparison and reduction on the GPU cost 27 us a call, the copy of A's nheads values 7 us
-    (reports/h200/experiments/host_parts_2302d94.txt)."""
+    (reports/h200/experiments/host_parts_2302d94.txt). ``captured``: under CUDA graph capture,
+    no verdict (module docstring, 'Decay')."""
 
-    def __init__(self, A: torch.Tensor):
+    def __init__(self, A: torch.Tensor, captured: bool = False):
         self.values, self.ready = A, None
-        if A.is_cuda:
+        if captured:
+            self.values = None
+        elif A.is_cuda:
             self.values = torch.empty(A.shape, dtype=A.dtype, pin_memory=True)
             self.values.copy_(A, non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record(torch.cuda.current_stream(A.device))
 
     def confirm(self) -> None:
+        if self.values is None:
+            return
         if self.ready is not None:
             self.ready.synchronize()
         growing = self.values > 0
@@ -253,6 +267,15 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
     """Check every argument of an SSD forward call; raise SSDInputError or return the SSDProblem.
     defer_decay_check: leave the A <= 0 verdict to ``SSDProblem.confirm_decay`` (module docstring).
     A call whose ``call_signature`` passed before skips the checks that read no values."""
+    captured = isinstance(x, torch.Tensor) and capturing(x)
+    if captured:
+        host_read = "during CUDA graph capture (the host checks its values, which a capturing " \
+                    "stream cannot read back)"
+        for name, given in (("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens)):
+            if given is not None:
+                raise _fail(name, "None " + host_read, "a tensor")
+        if check_finite:
+            raise _fail("check_finite", "False " + host_read, "True")
     signature = None
     if seq_idx is None and cu_seqlens is None and not check_finite:
         signature = call_signature(
@@ -268,7 +291,7 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
                 _PASSED.clear()
             _PASSED.add(signature)
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
-    decay_check = DecayCheck(A)
+    decay_check = DecayCheck(A, captured)
     if not defer_decay_check:
         decay_check.confirm()
         decay_check = None

@@ -1292,6 +1292,10 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     state_dtype: dtype of the stored chunk states (default: x's dtype in 'input', else float32);
     precision: 'auto' (default), 'ieee', '3xtf32', 'tf32', 'input', '2xbf16', '3xbf16', '2xfp16'
     or '3xfp16' (see the module docstring).
+    CUDA graphs: a call can be captured (``torch.cuda.graph``) after a warm-up call of its
+    signature outside capture (which compiles its kernels); under capture A's values are not read
+    back, a head with A > 0 makes its outputs NaN, and seq_idx and cu_seqlens are refused
+    (kernels.contract, 'Decay').
     """
     problem = validate(x, dt, A, B, C, DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,
                        D=D, z=z, dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,

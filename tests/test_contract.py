@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from kernels import contract
 from kernels.contract import SSDInputError, pack_outputs, validate
 from properties.problems import ProblemSpec, build_problem
 
@@ -281,6 +282,24 @@ def test_a_deferred_decay_check_raises_at_confirmation_with_the_same_message():
         problem.confirm_decay()
     check(str(info.value), "A", "values <= 0 (exp(dt*A) is a decay)", "A[2] = 0.5")
     validate(**D, defer_decay_check=True).confirm_decay()
+
+
+def test_under_graph_capture_nothing_is_read_back_and_value_checks_are_refused(monkeypatch):
+    """During CUDA graph capture (kernels.contract.capturing, here stood in for on the CPU) the A
+    verdict is not taken (the kernels make a growing head NaN; tests/test_kernels_gpu.py checks
+    that on the GPU), and seq_idx, cu_seqlens and check_finite, whose values the host reads,
+    are refused naming the argument, before any of them is read."""
+    monkeypatch.setattr(contract, "capturing", lambda t: True)
+    A = D["A"].clone()
+    A[2] = 0.5
+    validate(**{**D, "A": A}, defer_decay_check=True).confirm_decay()
+    validate(**{**D, "A": A})
+    during = "during CUDA graph capture"
+    check(refusal(P), "seq_idx", during, "a tensor")
+    check(refusal(P, seq_idx=None), "cu_seqlens", during, "a tensor")
+    check(refusal(D, check_finite=True), "check_finite", during, "True")
+    monkeypatch.setattr(contract, "capturing", lambda t: False)
+    check(refusal(D, A=A), "A", "values <= 0 (exp(dt*A) is a decay)", "A[2] = 0.5")
 
 
 def test_a_negative_step_without_softplus_or_limit_is_refused_by_the_scan_only():

@@ -261,6 +261,87 @@ def test_growing_decay_on_the_gpu_raises_after_the_deferred_check():
         ssd_forward(p.x, p.dt, A, p.B, p.C, 64)
 
 
+# The dispatcher's paths: the walk of out paired (256 pairs), the walk split into two segments
+# with final states, chunk 256's state kernels (float32 x, z, D per channel, bias, softplus,
+# initial states).
+GRAPH_SPECS = {
+    "walk": dict(batch=4, seqlen=512, nheads=64, headdim=64, dstate=128, x_dtype="bf16",
+                 bc_dtype="bf16", D="head", return_final_states=False),
+    "split_walk": dict(batch=1, seqlen=16448, nheads=48, headdim=64, dstate=128, x_dtype="bf16",
+                       bc_dtype="bf16"),
+    "state_kernels": dict(batch=1, seqlen=300, nheads=8, headdim=32, dstate=16, D="channel",
+                          z=True, dt_bias=True, dt_softplus=True, initial_states=True),
+}
+
+
+def _captured(kwargs: dict):
+    """ssd_forward on kwargs once outside capture (its kernels compiled, its plan memoized),
+    then captured: (the graph, the captured call's outputs)."""
+    ssd_forward(**kwargs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = ssd_forward(**kwargs)
+    return graph, outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("path", list(GRAPH_SPECS))
+def test_a_captured_call_replays_what_an_eager_call_returns(path):
+    """ssd_forward captured in a CUDA graph (kernels/contract.py: nothing read back), its inputs
+    then refilled with another draw: a replay's outputs equal, bit for bit, an eager call's on
+    those values, at the chunk size the dispatcher picks."""
+    spec = GRAPH_SPECS[path]
+    kwargs = {**build_problem(ProblemSpec(**spec), "cuda").call_kwargs(), "chunk_size": None}
+    graph, captured = _captured(kwargs)
+    fresh = build_problem(ProblemSpec(**spec, seed=1), "cuda").call_kwargs()
+    for name, t in kwargs.items():
+        if isinstance(t, torch.Tensor):
+            t.copy_(fresh[name])
+    graph.replay()
+    eager = ssd_forward(**kwargs)
+    eager = eager if isinstance(eager, tuple) else (eager,)
+    assert len(captured) == len(eager)
+    for got, expected in zip(captured, eager):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_a_growing_decay_under_capture_makes_its_head_nan_and_leaves_the_others():
+    """Under capture A's values are not read back: a head with A > 0 (set after capture) comes
+    back NaN in out and final states, never finite (chunk_cumsum poisons its cumsum), and the
+    other heads as an eager call with valid A returns them."""
+    spec = ProblemSpec(batch=2, seqlen=200, nheads=4, headdim=32, dstate=16, x_dtype="bf16",
+                       bc_dtype="bf16", D="head", z=True)
+    kwargs = build_problem(spec, "cuda").call_kwargs()
+    eager_out, eager_final = ssd_forward(**kwargs)
+    A = kwargs["A"].clone()
+    graph, (out, final) = _captured({**kwargs, "A": A})
+    A[1] = 0.25
+    graph.replay()
+    assert bool(torch.isnan(out[:, :, 1]).all()) and bool(torch.isnan(final[:, 1]).all())
+    others = [0, 2, 3]
+    assert torch.equal(out[:, :, others], eager_out[:, :, others])
+    assert torch.equal(final[:, others], eager_final[:, others])
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_value_checks_under_capture_raise_naming_the_argument():
+    """seq_idx and cu_seqlens are checked on the host, which a capturing stream cannot read
+    back: refused before anything is launched."""
+    p = build_problem(ProblemSpec(batch=1, seqlen=10, nheads=4, headdim=16, dstate=16,
+                                  cu_seqlens=(0, 3, 10)), "cuda")
+    kwargs = p.call_kwargs()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with pytest.raises(SSDInputError, match=r"^seq_idx: expected None during CUDA graph "):
+            ssd_forward(**kwargs)
+        with pytest.raises(SSDInputError, match=r"^cu_seqlens: expected None during CUDA graph "):
+            ssd_forward(**{**kwargs, "seq_idx": None})
+
+
 # ----------------------------------------------------------------------------- host errors
 
 def _tiny(device="cpu", **kw):
