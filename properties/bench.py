@@ -4,11 +4,14 @@ Rows (each times one call, with the problem's tensors already on the GPU):
 
     ours            kernels.ssd_forward(x, dt, A, B, C, chunk_size=Q, D=, z=)   Q: --chunk-size,
                     else the one ssd_forward picks (kernels.ssd.default_chunk_size)
+    ours_graph      ours' call captured in a CUDA graph (torch.cuda.graph) after a call outside
+                    capture, timed as the graph's replay: the kernels without the host path
     ours.<stage>    one stage entry (kernels/chunk_cumsum.py, fwd_pass_state.py or state_scan.py,
                     compute_out.py) on the previous stages' outputs, in the variant ssd_forward
                     picks
     mamba_ssm       mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size=256, D=, z=), its default
                     use
+    mamba_ssm_graph mamba_ssm's call captured and replayed as ours_graph
     fla_kernel      fla.ops.simple_gla.chunk_simple_gla(q=C, k=B, v=x*dt, g=A*dt, scale=1.0) on
                     operands prepared beforehand (B and C expanded to heads, v in x's dtype)
     fla_e2e         the same from the contract's inputs: expansion, x*dt, A*dt, the kernel, then the
@@ -20,7 +23,9 @@ timed; then warm-up calls; then N timed calls, each preceded by an L2 flush (a 2
 than any current GPU's L2, so every call starts cold) and bracketed by CUDA events on the current
 stream. A row reports the median (also min and p90). N is chosen per row so that its timed calls
 take about the plan's target. A call's CPU launch cost is inside its events when the GPU outruns
-the CPU (small shapes): that is what a caller without CUDA graphs pays.
+the CPU (small shapes): that is what a caller without CUDA graphs pays; the ``_graph`` rows are
+what a caller with them pays (their outputs, the captured call's after a replay, are checked as
+the others').
 
 Bytes (``io_bytes``): every input read once and the output written once, in their dtypes; the
 least traffic any implementation can have. GB/s = io_bytes / time on every row, peers included.
@@ -92,11 +97,16 @@ VARIANTS = (("headdim", dict(headdim=128)), ("dstate", dict(dstate=64)),
 OURS = "ours"
 STAGES = ("chunk_cumsum", "fwd_pass_state", "compute_out")
 PEER_ROWS = ("mamba_ssm", "fla_kernel", "fla_e2e")
+# Rows also timed as CUDA graph replays (``graph_replay``), under the row's name + GRAPH.
+GRAPH = "_graph"
+GRAPHED_ROWS = (OURS, "mamba_ssm")
 ROW_DESCRIPTIONS = {
     OURS: "kernels.ssd_forward(x, dt, A, B, C, chunk_size, D=, z=)",
     **{f"{OURS}.{stage}": f"kernels/{stage}.py's entry on the previous stages' outputs"
        for stage in STAGES},
     "mamba_ssm": f"mamba_chunk_scan_combined(..., chunk_size={MAMBA_CHUNK_SIZE}, D=, z=)",
+    **{name + GRAPH: f"{name}'s call captured in a CUDA graph after a call outside capture, "
+                     f"timed as the graph's replay (no host work)" for name in GRAPHED_ROWS},
     "fla_kernel": "chunk_simple_gla(q=C, k=B, v=x*dt, g=A*dt, scale=1.0) on prepared operands "
                   "(B, C expanded to heads)",
     "fla_e2e": "expansion, x*dt, A*dt, chunk_simple_gla, then D skip and z gate in torch",
@@ -439,6 +449,27 @@ def our_contenders(problem, chunk_size: Optional[int] = None) -> Iterator[Conten
                         dict(variant=variants[stage]))
 
 
+def graph_replay(contender: Contender) -> Contender:
+    """``contender`` as a CUDA graph's replay: at its first call, one call outside capture (which
+    compiles and autotunes), then the call captured (torch.cuda.graph); every call replays the
+    graph and returns the captured call's result, refreshed by the replay."""
+    captured: dict = {}
+
+    def replay():
+        if not captured:
+            contender.call()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured["result"] = contender.call()
+            captured["graph"] = graph
+        captured["graph"].replay()
+        return captured["result"]
+
+    return Contender(contender.name + GRAPH, contender.chunk_size, replay, contender.output,
+                     contender.info)
+
+
 def mamba_contenders(problem, mamba_chunk_scan_combined) -> Iterator[Contender]:
     kwargs = problem.call_kwargs()
     kwargs.update(chunk_size=MAMBA_CHUNK_SIZE, cu_seqlens=None, return_varlen_states=False)
@@ -599,12 +630,19 @@ def bench_shape(shape: BenchShape, ctx: RunContext) -> dict:
                 for name in names:
                     rows.setdefault(name, dict(failed=f"{type(exc).__name__}: {exc}"))
                 break
-            try:
-                rows[contender.name] = _row(contender, ctx, nbytes, spec, exact, (rows_, heads))
-            except Exception as exc:
-                rows[contender.name] = dict(chunk_size=contender.chunk_size,
-                                            failed=f"{type(exc).__name__}: {exc}")
-            del contender        # frees a row's operands before the next row runs
+            timed = [contender]
+            if contender.name in GRAPHED_ROWS:
+                if ctx.on_gpu:
+                    timed.append(graph_replay(contender))
+                else:
+                    record["unavailable"][contender.name + GRAPH] = "CUDA graphs need a GPU"
+            for row in timed:
+                try:
+                    rows[row.name] = _row(row, ctx, nbytes, spec, exact, (rows_, heads))
+                except Exception as exc:
+                    rows[row.name] = dict(chunk_size=row.chunk_size,
+                                          failed=f"{type(exc).__name__}: {exc}")
+            del contender, timed, row   # frees a row's operands (and graph) before the next row
         del contenders
     record["speedup"] = speedups(record)
     record["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if ctx.on_gpu else None
@@ -613,12 +651,14 @@ def bench_shape(shape: BenchShape, ctx: RunContext) -> dict:
 
 
 def speedups(record: dict) -> dict:
-    """peer time / our time for every peer row measured beside ours (> 1: ours is faster)."""
-    ours = record["rows"].get(OURS, {}).get("ms")
-    if ours is None:
-        return {}
-    return {name: row["ms"] / ours for name, row in record["rows"].items()
-            if name in PEER_ROWS and row.get("ms") is not None}
+    """peer time / our time for every peer row measured beside ours (> 1: ours is faster), and
+    a peer's graph replay over ours' under the peer's graph row name."""
+    rows = record["rows"]
+    pairs = [(name, OURS) for name in PEER_ROWS] + [(name + GRAPH, OURS + GRAPH)
+                                                     for name in GRAPHED_ROWS[1:]]
+    return {peer: rows[peer]["ms"] / rows[ours]["ms"] for peer, ours in pairs
+            if rows.get(peer, {}).get("ms") is not None
+            and rows.get(ours, {}).get("ms") is not None}
 
 
 def run(shapes: list[BenchShape], plan: TimingPlan, budget_s: Optional[float] = None,
@@ -709,7 +749,7 @@ def format_row(name: str, row: dict, ours_ms: Optional[float]) -> list[str]:
     if "failed" in row:
         return [name, _num(row.get("chunk_size"), "d"), f"FAILED: {row['failed']}"]
     error = row.get("error") or {}
-    ratio = None if ours_ms is None or name == OURS else row["ms"] / ours_ms
+    ratio = None if ours_ms is None or name in (OURS, OURS + GRAPH) else row["ms"] / ours_ms
     return [name, _num(row.get("chunk_size"), "d"), _num(row["ms"], ".3f"),
             _num(row.get("gbps"), ".0f"), _num(row.get("tflops"), ".1f"),
             _num(row.get("copy_bound_fraction"), ".0%"),
@@ -722,8 +762,8 @@ def format_table(doc: dict) -> str:
     probe = doc["copy_probe"]
     lines = [f"copy probe {probe['gbps']:.0f} GB/s; nominal {doc['nominal_gbps']:.0f} GB/s; "
              f"{doc['timing']['method']}",
-             "t/t_ours: a peer's time over ours (> 1: ours is faster); a stage's share of ours. "
-             "Errors vs float64."]
+             "t/t_ours: a peer's time over ours (> 1: ours is faster; a graph row's over "
+             "ours_graph); a stage's share of ours. Errors vs float64."]
     if "runs" in doc:
         lines.append(f"{len(doc['runs'])} runs: each shape from the run of its median kernel "
                      f"time over the copy bound (run numbers from 0, as in the JSON's 'runs')")
@@ -735,9 +775,12 @@ def format_table(doc: dict) -> str:
         lines.append("")
         lines.append(f"{record['label']}  ({record['io_bytes'] / 1e6:.0f} MB in+out, copy bound "
                      f"{record['copy_bound_ms']:.3f} ms{where})")
-        ours_ms = record["rows"].get(OURS, {}).get("ms")
+        # A graph row's t/t_ours is over ours' graph row, any other's over ours' call.
+        ours_ms = {suffix: record["rows"].get(OURS + suffix, {}).get("ms")
+                   for suffix in ("", GRAPH)}
         table = [list(COLUMNS)]
-        table += [format_row(name, row, ours_ms) for name, row in record["rows"].items()]
+        table += [format_row(name, row, ours_ms[GRAPH if name.endswith(GRAPH) else ""])
+                  for name, row in record["rows"].items()]
         widths = [max(len(r[i]) for r in table if i < len(r) and len(r) == len(COLUMNS))
                   for i in range(len(COLUMNS))]
         for r in table:
@@ -748,7 +791,7 @@ def format_table(doc: dict) -> str:
                 lines.append("  " + r[0].ljust(widths[0]) + "  " + "  ".join(r[1:]))
         for name, why in record.get("unavailable", {}).items():
             lines.append(f"  {name}: not run ({why})")
-    lines += ["", "summary (x: peer time / ours)"] + _summary(doc)
+    lines += ["", SUMMARY_TITLE] + _summary(doc)
     if doc.get("not_run"):
         lines.append("")
         lines.append("not run (time budget): " + ", ".join(doc["not_run"]))
@@ -757,8 +800,12 @@ def format_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+SUMMARY_TITLE = "summary (x: peer time / ours; x mamba_ssm_graph: its replay / ours_graph's)"
+
+
 def _summary(doc: dict) -> list[str]:
-    table = [["shape", "ours ms", "GB/s", "copy-bound", *(f"x {name}" for name in PEER_ROWS),
+    compared = (*PEER_ROWS, *(name + GRAPH for name in GRAPHED_ROWS[1:]))
+    table = [["shape", "ours ms", "GB/s", "copy-bound", *(f"x {name}" for name in compared),
               "norm rel"]]
     for record in doc["shapes"]:
         ours = record["rows"].get(OURS, {})
@@ -767,7 +814,7 @@ def _summary(doc: dict) -> list[str]:
             continue
         table.append([record["label"], f"{ours['ms']:.3f}", f"{ours['gbps']:.0f}",
                       f"{ours['copy_bound_fraction']:.0%}",
-                      *(_num(record["speedup"].get(name), ".2f") for name in PEER_ROWS),
+                      *(_num(record["speedup"].get(name), ".2f") for name in compared),
                       _num((ours.get("error") or {}).get("normwise_rel"), ".2e")])
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     return [("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)

@@ -416,9 +416,26 @@ def test_table():
     assert "errors on batch[:1] heads[:32]" in text
     assert "FAILED: RuntimeError: boom" in text
     assert "fla_kernel: not run (fla does not import" in text
-    summary = lines[lines.index("summary (x: peer time / ours)") + 1:]
-    assert summary[1].split()[-7:] == ["0.500", "1124", "28%", "2.00", "-", "4.00", "2.00e-03"]
+    summary = lines[lines.index(bench.SUMMARY_TITLE) + 1:]
+    assert summary[1].split()[-8:] == ["0.500", "1124", "28%", "2.00", "-", "4.00", "-",
+                                       "2.00e-03"]
     assert summary[2].endswith("FAILED")
+
+
+def test_graph_rows_compare_with_ours_graph():
+    # A peer's graph replay is set against ours' (0.75 / 0.25 ms), not against ours' call; ours'
+    # graph row against nothing, as ours' call.
+    record = _record(LABEL_A, 0.5, {"ours_graph": 0.25, "mamba_ssm": 1.0,
+                                    "mamba_ssm_graph": 0.75})
+    assert record["speedup"] == {"mamba_ssm": 2.0, "mamba_ssm_graph": 3.0}
+    lines = bench.format_table(_doc(record)).splitlines()
+    graph = next(line for line in lines if line.strip().startswith("mamba_ssm_graph"))
+    assert " 3.00 " in graph
+    ours_graph = next(line for line in lines if line.strip().startswith("ours_graph"))
+    assert ours_graph.split()[7] == "-"                     # the t/t_ours column
+    summary = lines[lines.index(bench.SUMMARY_TITLE) + 1:]
+    assert "x mamba_ssm_graph" in summary[0]
+    assert summary[1].split()[-3:] == ["-", "3.00", "2.00e-03"]
 
 
 def test_plot(tmp_path):
@@ -503,6 +520,9 @@ def test_bench_shape_records_every_row(monkeypatch):
     assert "error" not in rows["fla_kernel"]                    # o lacks D and z here
     assert "error" not in rows["ours.compute_out"] and "gbps" not in rows["ours.compute_out"]
     assert set(record["speedup"]) == {"mamba_ssm", "fla_kernel", "fla_e2e"}
+    # CUDA graphs need a GPU: the graph rows are reported as not run, not failed.
+    assert record["unavailable"] == {name + bench.GRAPH: "CUDA graphs need a GPU"
+                                     for name in bench.GRAPHED_ROWS}
     doc = _doc(record)
     assert bench.our_failures(doc) == []
     assert SHAPE.label in bench.format_table(doc)
@@ -522,7 +542,8 @@ def test_bench_shape_records_failures_and_missing_peers(monkeypatch):
     for stage in bench.STAGES:
         assert record["rows"][f"ours.{stage}"]["failed"] == \
             "RuntimeError: the stages cannot be prepared"
-    assert record["unavailable"] == {"mamba_ssm": "mamba_ssm does not import"}
+    assert record["unavailable"] == {"mamba_ssm": "mamba_ssm does not import",
+                                     "ours_graph": "CUDA graphs need a GPU"}
     assert record["speedup"] == {} and record["rows"]["fla_e2e"]["ms"] > 0
     failed = bench.our_failures(_doc(record))
     assert len(failed) == 4

@@ -135,6 +135,8 @@ def test_bench_run_end_to_end(tmp_path):
     assert ours["error"]["rounding_floor_ratio"] <= SAME_PROBLEM_FLOOR_RATIO
     for stage in bench.STAGES:
         assert record["rows"][f"ours.{stage}"]["ms"] > 0
+    # The replay's out is the eager call's, bit for bit (tests/test_kernels_gpu.py): same errors.
+    assert record["rows"]["ours_graph"]["error"] == ours["error"]
     for name, row in record["rows"].items():
         assert "failed" not in row, (name, row)
         if "error" in row:
