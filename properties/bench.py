@@ -686,7 +686,8 @@ def run(shapes: list[BenchShape], plan: TimingPlan, budget_s: Optional[float] = 
                                 flops=" ".join(chunked_flops.__doc__.split()),
                                 error=f"properties.metrics.error_metrics vs the float64 chunked "
                                       f"reference (chunk {REFERENCE_CHUNK_SIZE}) on error_slice",
-                                speedup="peer ms / ours ms", rows=ROW_DESCRIPTIONS),
+                                speedup="peer ms / ours ms (a peer's graph row over ours_graph)",
+                                rows=ROW_DESCRIPTIONS),
                copy_probe=probe, nominal_gbps=NOMINAL_GBPS, our_chunk_size=our_chunk_size,
                peers={name: v[1] if isinstance(v, tuple) else str(v)
                       for name, v in peers.items()},
