@@ -71,8 +71,8 @@ Neither is kept: an inf or NaN where the rule owes a finite number is a worse mi
 of a state near 1e-33, and 379c48a's cuts return both of those calls within the rule
 (tests/test_properties.py, final states near the top of float32's range). Multiplying the
 operands below 2^-100 apart, lifted 2^64 against the other operand lowered 2^-64, fixed both
-ends, but its code in these functions cost the cut paths 1.19-2.02x on the H200 even where it
-never ran (reports/h200/experiments/subnormal_guard_3974a92.txt, with the patch).
+ends, but its code in these functions cost the default cut paths 1.19-2.02x on the H200, mostly
+where it never ran (reports/h200/experiments/subnormal_guard_3974a92.txt, with the patch).
 """
 from __future__ import annotations
 
