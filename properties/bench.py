@@ -97,9 +97,12 @@ VARIANTS = (("headdim", dict(headdim=128)), ("dstate", dict(dstate=64)),
 OURS = "ours"
 STAGES = ("chunk_cumsum", "fwd_pass_state", "compute_out")
 PEER_ROWS = ("mamba_ssm", "fla_kernel", "fla_e2e")
-# Rows also timed as CUDA graph replays (``graph_replay``), under the row's name + GRAPH.
+# Rows also timed as CUDA graph replays (``graph_replay``), under the row's name + GRAPH; a
+# peer's replay is compared with ours'.
 GRAPH = "_graph"
-GRAPHED_ROWS = (OURS, "mamba_ssm")
+GRAPHED_PEERS = ("mamba_ssm",)
+GRAPHED_ROWS = (OURS, *GRAPHED_PEERS)
+PEER_GRAPH_ROWS = tuple(name + GRAPH for name in GRAPHED_PEERS)
 ROW_DESCRIPTIONS = {
     OURS: "kernels.ssd_forward(x, dt, A, B, C, chunk_size, D=, z=)",
     **{f"{OURS}.{stage}": f"kernels/{stage}.py's entry on the previous stages' outputs"
@@ -654,8 +657,8 @@ def speedups(record: dict) -> dict:
     """peer time / our time for every peer row measured beside ours (> 1: ours is faster), and
     a peer's graph replay over ours' under the peer's graph row name."""
     rows = record["rows"]
-    pairs = [(name, OURS) for name in PEER_ROWS] + [(name + GRAPH, OURS + GRAPH)
-                                                     for name in GRAPHED_ROWS[1:]]
+    pairs = ([(name, OURS) for name in PEER_ROWS]
+             + [(name, OURS + GRAPH) for name in PEER_GRAPH_ROWS])
     return {peer: rows[peer]["ms"] / rows[ours]["ms"] for peer, ours in pairs
             if rows.get(peer, {}).get("ms") is not None
             and rows.get(ours, {}).get("ms") is not None}
@@ -805,7 +808,7 @@ SUMMARY_TITLE = "summary (x: peer time / ours; x mamba_ssm_graph: its replay / o
 
 
 def _summary(doc: dict) -> list[str]:
-    compared = (*PEER_ROWS, *(name + GRAPH for name in GRAPHED_ROWS[1:]))
+    compared = (*PEER_ROWS, *PEER_GRAPH_ROWS)
     table = [["shape", "ours ms", "GB/s", "copy-bound", *(f"x {name}" for name in compared),
               "norm rel"]]
     for record in doc["shapes"]:
