@@ -67,7 +67,7 @@ import torch
 
 from properties.metrics import error_metrics
 from properties.problems import DTYPES, ProblemSpec, build_problem
-from properties.provenance import REPO_ROOT, collect, device_label
+from properties.provenance import REPO_ROOT, collect, device_label, read_document
 
 SCHEMA = "mamba2-cutile bench 1"
 NOMINAL_GBPS = 4300.0                # H200 HBM3e, the device README's figure
@@ -1097,13 +1097,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _load(path: Path, what: str) -> dict:
     try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"bench: cannot read the {what} {path}: {exc}") from None
-    if doc.get("schema") != SCHEMA:
-        raise SystemExit(f"bench: {what} {path}: expected schema {SCHEMA!r}, got "
-                         f"{doc.get('schema')!r}")
-    return doc
+        return read_document(path, SCHEMA)
+    except ValueError as exc:
+        raise SystemExit(f"bench: the {what}: {exc}") from None
 
 
 def main(args: argparse.Namespace) -> int:

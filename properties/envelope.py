@@ -542,13 +542,9 @@ def _default_impls() -> list[str]:
 
 def _load_baseline(path: Path) -> dict:
     try:
-        baseline = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UsageError(f"--check: expected a readable envelope.json, got {path} ({err})") from None
-    if baseline.get("schema") != SCHEMA:
-        raise UsageError(f"--check: expected schema {SCHEMA!r}, got {baseline.get('schema')!r} "
-                         f"in {path}")
-    return baseline
+        return provenance.read_document(path, SCHEMA)
+    except ValueError as exc:
+        raise UsageError(f"--check: the baseline envelope: {exc}") from None
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -12,6 +13,19 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def read_document(path, schema: str) -> dict:
+    """The JSON document at ``path`` (a report, a baseline); ValueError saying what was expected
+    and what was found where it cannot be read or does not carry ``schema``."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"expected a readable JSON document, got {path} ({exc})") from None
+    found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+    if found != schema:
+        raise ValueError(f"expected schema {schema!r}, got {found!r} in {path}")
+    return doc
 
 
 def _version(dist: str) -> str | None:

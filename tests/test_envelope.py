@@ -111,6 +111,16 @@ def test_check_refuses_a_baseline_without_the_implementation(baseline, capsys):
     assert "reference-fp64" in capsys.readouterr().err
 
 
+def test_check_refuses_a_baseline_it_cannot_read_naming_the_file(tmp_path, capsys):
+    not_a_report = tmp_path / "list.json"
+    not_a_report.write_text("[1, 2]")
+    for path, found in ((tmp_path / "missing.json", "readable JSON document"),
+                        (not_a_report, "got 'list'")):
+        assert cli(["envelope", "--check", str(path), "--impl", "reference"]) == 2
+        err = capsys.readouterr().err
+        assert found in err and str(path) in err
+
+
 def _cell(metrics: dict, out_dtype="fp32", absmax=1.0, impl="k") -> dict:
     return {"name": "c", "unsupported": {}, "stages": {"out": {
         "out_dtype": out_dtype, "exact_absmax": absmax,
