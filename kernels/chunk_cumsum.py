@@ -8,7 +8,7 @@
        NaN for a head with A > 0
 
 One block per (chunk, batch row, block of HEAD_BLOCK heads); the chunk is one tile, so the cumsum
-is one in-register scan.
+is one in-register scan, in float64 (below).
 
 Why two parts: the kernels need differences S_i - S_j of nearby positions (the decay between
 them), and S reaches tens within a chunk under strong decay (|S| = 76 in 256 steps is a Mamba-2
@@ -16,10 +16,14 @@ init draw). A float32 S carries an error of up to ~ulp(|S|) (8e-6 at 76) from th
 order, uncorrelated between positions, so the decay 2^(S_i - S_j) of two adjacent positions would
 be off by ~5e-6 relative, 60 float32 ulps. On the H200 the property tests caught final_states
 at 17x and 9x the float32 chunked reference's error for that reason (4.2x and 2.2x the allowance;
-reports/h200/failures/). The scan carries each partial sum's rounding error (TwoSum) in lo, so hi
-and lo together hold S to ~2^-48 relative, and a difference is accurate to float32 relative to
-itself; in the H200 envelope (4b1e5b9) the strong-decay cells' chunk and final states went from
-the reference's error to 1/20 of it.
+reports/h200/failures/). The scan sums the float32 terms in float64 (at most 63 roundings of
+2^-53 relative, all terms of one sign) and splits each sum into hi and lo, so hi and lo together
+hold S to ~2^-47 relative, and a difference is accurate to float32 relative to itself; in the H200
+envelope (4b1e5b9) the strong-decay cells' chunk and final states went from the reference's error
+to 1/20 of it. Until 9cdad9c a float32 scan carried each partial sum's rounding error (TwoSum) in
+lo: on the H200 the float64 scan gave the same hi and lo bit for bit at the three anchors, in
+0.932x / 0.937x / 0.853x the time (18.7 -> 17.4 us at the first;
+experiments/ab_cumsum_float64_9cdad9c.txt).
 """
 from __future__ import annotations
 
@@ -30,8 +34,7 @@ import cuda.tile as ct
 import torch
 
 from kernels.tile_ops import (LOG2_E, KernelVariant, array_constraint, index_variants,
-                              kernel_signature, next_pow2, scalar_constraint, softplus,
-                              two_sum_add)
+                              kernel_signature, next_pow2, scalar_constraint, softplus)
 
 ZERO = ct.PaddingMode.ZERO
 # Heads per block. 8 rather than 32: four times the blocks for a scan that waits on its loads. On
@@ -67,16 +70,13 @@ def chunk_cumsum_kernel(dt, A, dt_bias, dt_out, log2_decay_cumsum, seqlen, nhead
     # graph capture, kernels/contract.py). An identity for A <= 0, whose bits are unchanged.
     a = ct.where(a > 0.0, math.nan, a)
     log2_decay = step * (a * LOG2_E)[:, None]
-    hi, lo = ct.scan((log2_decay, ct.zeros((HEAD_BLOCK, CHUNK), dtype=ct.float32)), axis=1,
-                     func=two_sum_add, identity=(0.0, 0.0))
+    total = ct.cumsum(log2_decay.astype(ct.float64), axis=1)
+    hi = total.astype(ct.float32)
     # An infinite sum (dt = inf) leaves inf - inf = NaN in lo: its decay is exactly 0, keep hi.
-    lo = ct.where(ct.abs(hi) == math.inf, 0.0, lo)
-    # Renormalise: hi the float32 nearest hi + lo (what the stage reports), lo the rest.
-    total = hi + lo
-    lo = lo - (total - hi)
+    lo = ct.where(ct.abs(hi) == math.inf, 0.0, (total - hi.astype(ct.float64)).astype(ct.float32))
     ct.store(dt_out, (batch, head_block, chunk, 0), step.reshape((1, HEAD_BLOCK, 1, CHUNK)))
     tile = (1, HEAD_BLOCK, 1, 1, CHUNK)
-    ct.store(log2_decay_cumsum, (batch, head_block, chunk, 0, 0), total.reshape(tile))
+    ct.store(log2_decay_cumsum, (batch, head_block, chunk, 0, 0), hi.reshape(tile))
     ct.store(log2_decay_cumsum, (batch, head_block, chunk, 1, 0), lo.reshape(tile))
 
 

@@ -134,7 +134,8 @@ def softplus(v):
 @ct.function
 def two_sum_add(hi1, lo1, hi2, lo2):
     """(hi1 + lo1) + (hi2 + lo2) as an unevaluated sum hi + lo: hi = fl(hi1 + hi2) and its exact
-    rounding error (Knuth's TwoSum) joins the low parts. The combine of the chunk cumsum's scan."""
+    rounding error (Knuth's TwoSum) joins the low parts: the backward walk's sum of chunk decays
+    (kernels/state_scan.py)."""
     hi = hi1 + hi2
     back = hi - hi1
     error = (hi1 - (hi - back)) + (hi2 - back)
