@@ -111,6 +111,16 @@ def artifact(impl, name, problem, spec, **options):
                                   impl=impl.name, spec=spec, options=options)
 
 
+def artifact_unless_known_miss(request, known_miss, impl, name, problem, spec):
+    """``artifact``'s recorder, or, where ``known_miss`` gives a reason, a strict xfail (one that
+    starts passing fails, to be unmarked) and no repro artifact: CI uploads failures/ as
+    failures."""
+    if not known_miss:
+        return artifact(impl, name, problem, spec)
+    request.applymarker(pytest.mark.xfail(strict=True, reason=known_miss))
+    return nullcontext(repro.FailureRecord())
+
+
 # ---- accuracy --------------------------------------------------------------------------------
 
 @given(data=st.data())
@@ -121,8 +131,7 @@ def test_accuracy_against_float64(impl, mixes, data):
         assert_accurate(impl, problem, impl(problem), check.exact_stages(problem), rec)
 
 
-# Known misses among the pinned cases, by (implementation, case), marked strict xfail: one that
-# starts passing fails, to be unmarked. 3xtf32 cuts two float32 operands into two TF32 terms each,
+# Known misses among the pinned cases, by (implementation, case), marked strict xfail. 3xtf32 cuts two float32 operands into two TF32 terms each,
 # ~2^-22 a product (kernels/tile_ops.py), so where out is a single product the float32 rule,
 # whose baseline is then one rounding, catches it: on the H200 at ee0a959 out's error was 1.064x
 # the allowance (reports/h200/failures/property-regression-length-one_cutile_3xtf32_ee0a959.json),
@@ -140,12 +149,8 @@ def test_regressions(impl, case, request):
     if reason:
         pytest.skip(reason)
     known_miss = REGRESSION_MISSES.get((impl.name, case["name"]))
-    if known_miss:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=known_miss))
-    # An expected miss leaves no repro artifact: CI uploads failures/ as failures.
-    recording = (nullcontext(repro.FailureRecord()) if known_miss else
-                 artifact(impl, f"regression-{case['name']}", problem, spec))
-    with recording as rec:
+    with artifact_unless_known_miss(request, known_miss, impl, f"regression-{case['name']}",
+                                    problem, spec) as rec:
         assert_accurate(impl, problem, impl(problem), check.exact_stages(problem), rec, steer=False)
 
 
@@ -197,15 +202,12 @@ def test_decays_below_the_smallest_normal_still_scale_large_terms(impl, case, x_
         pytest.skip(reason)
     exact = check.exact_stages(problem)
     assert 1e-36 < float(exact["final_states"].abs().max()) < 1e-30   # normal, and decayed
-    expected_miss = (case, x_dtype) in SUBNORMAL_CUT_MISSES.get(impl.name, ())
-    if expected_miss:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "a subnormal operand cut into bf16/TF32 terms keeps a few bits (kernels/tile_ops.py, "
-            "'Subnormal operands')")))
-    # An expected miss leaves no repro artifact: CI uploads failures/ as failures.
-    recording = (nullcontext(repro.FailureRecord()) if expected_miss else
-                 artifact(impl, f"subnormal-decay-{case}-{x_dtype}-L{seqlen}", problem, None))
-    with recording as rec:
+    known_miss = ((case, x_dtype) in SUBNORMAL_CUT_MISSES.get(impl.name, ())
+                  and "a subnormal operand cut into bf16/TF32 terms keeps a few bits "
+                      "(kernels/tile_ops.py, 'Subnormal operands')")
+    with artifact_unless_known_miss(request, known_miss, impl,
+                                    f"subnormal-decay-{case}-{x_dtype}-L{seqlen}", problem,
+                                    None) as rec:
         assert_accurate(impl, problem, impl(problem), exact, rec, steer=False)
 
 
