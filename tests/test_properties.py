@@ -131,11 +131,12 @@ def test_accuracy_against_float64(impl, mixes, data):
         assert_accurate(impl, problem, impl(problem), check.exact_stages(problem), rec)
 
 
-# Known misses among the pinned cases, by (implementation, case), marked strict xfail. 3xtf32 cuts two float32 operands into two TF32 terms each,
-# ~2^-22 a product (kernels/tile_ops.py), so where out is a single product the float32 rule,
-# whose baseline is then one rounding, catches it: on the H200 at ee0a959 out's error was 1.064x
-# the allowance (reports/h200/failures/property-regression-length-one_cutile_3xtf32_ee0a959.json),
-# as the CPU model of its tensor-core sums predicts (tests/test_precision_model.py).
+# Known misses among the pinned cases, by (implementation, case), marked strict xfail. 3xtf32
+# cuts two float32 operands into two TF32 terms each, ~2^-22 a product (kernels/tile_ops.py), so
+# where out is a single product the float32 rule, whose baseline is then one rounding, catches
+# it: on the H200 at ee0a959 out's error was 1.064x the allowance
+# (reports/h200/failures/property-regression-length-one_cutile_3xtf32_ee0a959.json), as the CPU
+# model of its tensor-core sums predicts (tests/test_precision_model.py).
 REGRESSION_MISSES = {("cutile:3xtf32", "length-one"): (
     "3xtf32's two-term TF32 cut of two float32 operands, ~2^-22 a product: out is one product")}
 
