@@ -1,4 +1,5 @@
-"""The ``mamba2-cutile`` command (also ``python3 -m properties``): check, repro, envelope, bench.
+"""The ``mamba2-cutile`` command (also ``python3 -m properties``): check, repro, envelope, bench,
+ab.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``main(args) -> int``;
 only the chosen one is imported, so a missing or broken module breaks only its own subcommand.
@@ -21,6 +22,9 @@ COMMANDS = {
     "envelope": ("properties.envelope",
                  "measure (or --check against a recorded one) the error envelope of the kernels"),
     "bench": ("properties.bench", "benchmark the kernels against the references"),
+    "ab": ("properties.ab",
+           "time the dispatched kernels against named changes of their configs, same inputs, "
+           "interleaved rounds"),
 }
 
 

@@ -15,6 +15,8 @@ skips on a machine with a GPU: a broken cuTile fails.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import time
 
 import pytest
@@ -147,3 +149,26 @@ def test_bench_run_end_to_end(tmp_path):
     assert {p.name for p in written} == {"bench.json", "bench.txt", "bench_shapes.png",
                                          "bench_scaling.png"}
     assert all(p.stat().st_size > 0 for p in written)
+
+
+def test_ab_end_to_end(tmp_path, capsys):
+    # mamba2-cutile ab at a walk's case (128 (row, head) pairs, one block an SM as dispatched):
+    # the walk paired (its occupancy hint only; bit-equal to one block an SM, as the H200 A/Bs
+    # of the pairing found) and an arm on compute_out, which the walk's plan does not launch.
+    _require_cuda()
+    from properties import ab
+    args = argparse.Namespace(case=["2,1024,64,64,128,1"], chunk_size=64, rounds=2, reps=3,
+                              arm=["pair scan_out.occupancy=2", "rows out.row_block=32"],
+                              out=tmp_path / "ab.json")
+    assert ab.main(args) == 0
+    doc = json.loads(args.out.read_text())
+    assert doc["schema"] == ab.SCHEMA and doc["provenance"]["device"] != "cpu"
+    (record,) = doc["cases"]
+    found = record["arms"]
+    assert record["dispatched"]["scan_out"]["occupancy"] == "None"
+    assert found["pair"]["bit_equal"] and found["pair"]["max_abs_diff"] == 0.0
+    assert found["pair"]["error"] == found["dispatched"]["error"]
+    assert found["dispatched"]["error"]["rounding_floor_ratio"] <= SAME_PROBLEM_FLOOR_RATIO
+    assert len(found["pair"]["times_ms"]) == 6 and found["dispatched"]["ratio"] == 1.0
+    assert found["rows"]["not_applicable"].startswith("the plan does not launch its out")
+    assert "pair" in capsys.readouterr().out

@@ -71,7 +71,7 @@ def test_repro_from_options_without_an_artifact():
 def test_help_lists_every_subcommand():
     run = cli("--help")
     assert run.returncode == 0
-    for command in ("check", "repro", "envelope", "bench"):
+    for command in ("check", "repro", "envelope", "bench", "ab"):
         assert command in run.stdout
 
 

@@ -1,0 +1,331 @@
+"""``mamba2-cutile ab``: the dispatched kernels against arms that change their configs, one process.
+
+    mamba2-cutile ab --case "8,4096,64,64,128,1 x_dtype=fp16 bc_dtype=fp16" \\
+        --arm "t2 scan_out.occupancy=2 scan_out.out_transposed=true scan_out.b_latency=0"
+
+A case is a benchmark problem (``properties.bench.bench_spec``: bf16 x/B/C, fp32 dt/A, out alone)
+given as B,L,H,P,N,G, then ``ProblemSpec`` fields to change. An arm is a name, then fields of the
+plan's kernel configs to change, each ``<plan field>.<config field>=<value>`` (``kernels.ssd.Plan``:
+cumsum, out, state_scan, scan_out, segment_states, ...). Values are JSON (2, true, null, "bf16",
+[0.0, 6.0]) or else plain text; every name and type is checked before any GPU work.
+
+Each case runs the dispatcher's plan ("dispatched") and every arm that applies to it (an arm
+naming a kernel the plan does not run is recorded as not applicable), all on the same inputs.
+After a first call of each (compiling it) and a warm-up round, ``--rounds`` rounds time
+``--reps`` calls of each in turn, each call after an L2 flush between CUDA events
+(``properties.bench.CudaTimer``); the order rotates each round, so no arm always follows the
+same one. Recorded per arm: the median, its
+ratio to the dispatched plan's, whether out and final states equal the dispatched plan's bit for
+bit, the largest difference, and out's error against the float64 reference (as the bench's rows).
+
+The record (JSON, with provenance) is rewritten after every case, so an interrupted run keeps the
+cases it finished; an existing file is never overwritten.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import statistics
+import sys
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from properties.problems import DTYPES, ProblemSpec
+from properties.regimes import REGIMES
+from properties.provenance import REPO_ROOT, collect, device_label
+
+SCHEMA = "mamba2-cutile ab 1"
+DISPATCHED = "dispatched"
+ARM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+# The ProblemSpec fields that name one of a few things (build_problem would fail on others late).
+CASE_CHOICES = {**{name: set(DTYPES) for name in ("x_dtype", "bc_dtype", "param_dtype",
+                                                  "state_dtype")},
+                "regime": set(REGIMES), "D": {None, "head", "channel"}}
+
+
+@dataclass(frozen=True)
+class Case:
+    text: str
+    spec: ProblemSpec
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    changes: dict        # plan field -> {config field: value}
+
+    def describe(self) -> str:
+        return " ".join(f"{stage}.{name}={json.dumps(value, default=str)}"
+                        for stage, fields in self.changes.items() for name, value in fields.items())
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _split_assignment(option: str, text: str, item: str) -> tuple[str, Any]:
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+        raise ValueError(f"{option}: expected NAME=VALUE after the first word, got {item!r} in "
+                         f"{text!r}")
+    return name, parse_value(value)
+
+
+def _allowed(hint) -> tuple:
+    """The value types a field annotated ``hint`` takes (None included for Optional)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return tuple(a for h in typing.get_args(hint) for a in _allowed(h))
+    if typing.get_origin(hint) is tuple:
+        return (list, tuple)
+    return (type(None),) if hint is type(None) else (hint,)
+
+
+def coerce(option: str, owner: str, field: str, hint, value: Any) -> Any:
+    """``value`` as the type of ``owner.field`` (annotated ``hint``), or a ValueError naming it."""
+    allowed = _allowed(hint)
+    if torch.dtype in allowed and isinstance(value, str):
+        dtype = DTYPES.get(value, getattr(torch, value, None))
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tuple in allowed and isinstance(value, list):
+        return tuple(value)
+    # bool is an int to isinstance; a knob's 1 and true are not interchangeable here.
+    if isinstance(value, bool) != (bool in allowed) or not isinstance(value, allowed):
+        names = " or ".join("None" if a is type(None) else getattr(a, "__name__", str(a))
+                            for a in allowed)
+        raise ValueError(f"{option}: {owner}.{field} expected {names}, got {value!r}")
+    return value
+
+
+def parse_case(text: str, chunk_size: int) -> Case:
+    """'B,L,H,P,N,G [field=value ...]' -> the benchmark problem with those ProblemSpec fields."""
+    from properties.bench import bench_spec  # noqa: PLC0415
+    words = text.split()
+    try:
+        dims = tuple(int(d) for d in words[0].split(","))
+    except (ValueError, IndexError):
+        dims = ()
+    if len(dims) != 6 or min(dims) < 1 or dims[2] % dims[5]:
+        raise ValueError(f"--case: expected B,L,H,P,N,G (positive sizes, G dividing H) and then "
+                         f"field=value words, got {text!r}")
+    hints = typing.get_type_hints(ProblemSpec)
+    changes = {}
+    for item in words[1:]:
+        name, value = _split_assignment("--case", text, item)
+        if name not in hints or name == "chunk_size":
+            raise ValueError(f"--case: expected fields of ProblemSpec other than chunk_size "
+                             f"(--chunk-size sets it), got {name!r} in {text!r}")
+        value = coerce("--case", "ProblemSpec", name, hints[name], value)
+        if name in CASE_CHOICES and value not in CASE_CHOICES[name]:
+            raise ValueError(f"--case: ProblemSpec.{name} expected one of "
+                             f"{sorted(CASE_CHOICES[name], key=str)}, got {value!r}")
+        changes[name] = value
+    return Case(text, bench_spec(dims, chunk_size, **changes))
+
+
+def _config_classes() -> dict:
+    """Plan field -> its kernel config class (the plan's dataclass fields, Optional unwrapped)."""
+    from kernels.ssd import Plan  # noqa: PLC0415
+    classes = {}
+    for name, hint in typing.get_type_hints(Plan).items():
+        found = [a for a in _allowed(hint) if dataclasses.is_dataclass(a)]
+        if found:
+            classes[name] = found[0]
+    return classes
+
+
+def parse_arm(text: str) -> Arm:
+    """'NAME plan_field.config_field=value ...' -> an Arm, names and types checked."""
+    words = text.split()
+    if len(words) < 2 or not ARM_NAME.fullmatch(words[0]) or words[0] == DISPATCHED:
+        raise ValueError(f"--arm: expected a name (letters, digits, '_', '.', '-'; not "
+                         f"{DISPATCHED!r}) and then plan_field.config_field=value words, got "
+                         f"{text!r}")
+    classes = _config_classes()
+    changes: dict = {}
+    for item in words[1:]:
+        path, value = _split_assignment("--arm", text, item)
+        stage, _, field = path.partition(".")
+        if stage not in classes:
+            raise ValueError(f"--arm: expected a kernel config of the plan ({', '.join(classes)})"
+                             f" before '.', got {stage!r} in {text!r}")
+        hints = typing.get_type_hints(classes[stage])
+        if field not in hints:
+            raise ValueError(f"--arm: expected a field of {classes[stage].__name__} after "
+                             f"'{stage}.' ({', '.join(hints)}), got {field!r} in {text!r}")
+        changes.setdefault(stage, {})[field] = coerce("--arm", stage, field, hints[field], value)
+    return Arm(words[0], changes)
+
+
+def apply_arm(plan, arm: Arm):
+    """``plan`` with the arm's changes, or a str saying why the arm does not apply to it: it
+    changes a config the plan holds but does not launch (the walk's plan keeps compute_out's)."""
+    launched = plan.configs()
+    for stage, fields in arm.changes.items():
+        config = getattr(plan, stage)
+        if not any(config is cfg for cfg in launched):
+            return (f"the plan does not launch its {stage} (it launches "
+                    f"{', '.join(name for name, _ in plan.named_configs())})")
+        plan = dataclasses.replace(plan, **{stage: dataclasses.replace(config, **fields)})
+    return plan
+
+
+def interleaved_times(calls: dict[str, Callable[[], Any]], rounds: int, reps: int,
+                      times: Callable[[Callable[[], Any], int], list[float]]) -> dict:
+    """name -> ``rounds * reps`` times of its call: each round times ``reps`` calls of each name,
+    the names in an order rotated by one each round."""
+    names = list(calls)
+    timed: dict = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            timed[name] += times(calls[name], reps)
+    return timed
+
+
+def compare(outs: dict, base: str = DISPATCHED) -> dict:
+    """name -> bit_equal (out and final states equal ``base``'s bit for bit) and
+    max_abs_diff (out's largest difference from ``base``'s)."""
+    ref_out, ref_states = outs[base]
+    found = {}
+    for name, (out, states) in outs.items():
+        equal = torch.equal(out, ref_out) and (
+            (states is None and ref_states is None)
+            or (states is not None and ref_states is not None and torch.equal(states, ref_states)))
+        found[name] = dict(bit_equal=bool(equal),
+                           max_abs_diff=float((out.double() - ref_out.double()).abs().max()))
+    return found
+
+
+def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = "cuda") -> dict:
+    """The case's record: the plan's changed configs as dispatched and each arm's figures."""
+    from kernels.ssd import launch_stages, stage_pipeline  # noqa: PLC0415
+    from properties.bench import FULL_TIMING, CudaTimer, error_slice, reference_out  # noqa: PLC0415
+    from properties.metrics import error_metrics  # noqa: PLC0415
+    from properties.problems import build_problem  # noqa: PLC0415
+    problem = build_problem(case.spec, device, draw_on_device=True)
+    base = stage_pipeline(problem)
+    record: dict = dict(case=case.text, spec=dataclasses.asdict(case.spec), arms={DISPATCHED: {}})
+    pipelines = {DISPATCHED: base}
+    for arm in arms:
+        plan = apply_arm(base.plan, arm)
+        if isinstance(plan, str):
+            record["arms"][arm.name] = dict(changes=arm.describe(), not_applicable=plan)
+            continue
+        record["arms"][arm.name] = dict(changes=arm.describe())
+        pipelines[arm.name] = dataclasses.replace(base, plan=plan)
+    record["dispatched"] = {stage: {k: str(v) for k, v in dataclasses.asdict(
+        getattr(base.plan, stage)).items()} for arm in arms for stage in arm.changes
+        if getattr(base.plan, stage) is not None}
+    rows, heads, groups = error_slice(case.spec)
+    exact = reference_out(problem, rows, heads, groups)
+    outs, calls = {}, {}
+    for name, pipeline in pipelines.items():
+        entry = record["arms"][name]
+        try:
+            result = launch_stages(pipeline)
+            if problem.x.is_cuda:
+                torch.cuda.synchronize()
+        except Exception as exc:  # an arm that fails to compile or launch: recorded, not fatal
+            entry["failed"] = f"{type(exc).__name__}: {exc}"[:2000]
+            continue
+        outs[name] = (result.out, result.final_states)
+        entry["error"] = error_metrics(result.out[:rows, :, :heads], exact,
+                                       DTYPES[case.spec.x_dtype])
+        calls[name] = lambda pipeline=pipeline: launch_stages(pipeline)
+    if DISPATCHED not in outs:
+        record["failed"] = "the dispatched plan: " + record["arms"][DISPATCHED]["failed"]
+        return record
+    for name, found in compare(outs).items():
+        record["arms"][name].update(found)
+    timer = CudaTimer(FULL_TIMING)
+    interleaved_times(calls, 1, reps, timer.times)      # warm-up round, not recorded
+    timed = interleaved_times(calls, rounds, reps, timer.times)
+    base_ms = statistics.median(timed[DISPATCHED])
+    for name, ms in timed.items():
+        record["arms"][name].update(ms=statistics.median(ms), ratio=statistics.median(ms) / base_ms,
+                                    times_ms=ms)
+    return record
+
+
+def format_record(record: dict) -> list[str]:
+    lines = [record["case"] + (f": failed: {record['failed']}" if "failed" in record else "")]
+    for name, arm in record["arms"].items():
+        if "ms" in arm:
+            lines.append(f"  {name:14s} {arm['ms']:8.4f} ms {arm['ratio']:6.3f}x  bit-equal "
+                         f"{arm['bit_equal']!s:5s} max diff {arm['max_abs_diff']:.3g}  normwise "
+                         f"{arm['error']['normwise_rel']:.3g}")
+        else:
+            lines.append(f"  {name:14s} {arm.get('failed') or arm.get('not_applicable')}")
+    return lines
+
+
+def default_out(arms: list[Arm]) -> Path:
+    commit = collect().get("git_commit") or "nocommit"
+    tag = "_".join(arm.name for arm in arms)
+    return REPO_ROOT / "reports" / device_label() / "experiments" / f"ab_{tag}_{commit[:7]}.json"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--case", action="append", required=True, metavar="'B,L,H,P,N,G [k=v ...]'",
+                        help="a problem (repeatable): bf16 x/B/C, fp32 dt/A, out alone, unless "
+                             "ProblemSpec fields say otherwise (x_dtype=fp16 bc_dtype=fp16 "
+                             "return_final_states=true z=true D=channel ...)")
+    parser.add_argument("--arm", action="append", required=True, metavar="'NAME stage.field=v ...'",
+                        help="a named change of the plan's kernel configs (repeatable), e.g. "
+                             "'t2 scan_out.occupancy=2 scan_out.out_transposed=true'")
+    parser.add_argument("--chunk-size", type=int, default=64,
+                        help="the cases' chunk size (default 64, where the walk runs)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=7, help="timed calls of each arm a round")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the record (default reports/<device>/experiments/"
+                             "ab_<arm names>_<commit>.json); never overwritten")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        if args.rounds < 1 or args.reps < 1:
+            raise ValueError(f"--rounds, --reps: expected positive counts, got {args.rounds}, "
+                             f"{args.reps}")
+        cases = [parse_case(text, args.chunk_size) for text in args.case]
+        arms = [parse_arm(text) for text in args.arm]
+        names = [arm.name for arm in arms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--arm: expected distinct names, got {names}")
+    except ValueError as exc:
+        print(f"ab: {exc}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("ab: needs a CUDA device and none is visible to torch", file=sys.stderr)
+        return 2
+    out = args.out or default_out(arms)
+    if out.exists():
+        print(f"ab: --out {out} exists; give another path (records are never overwritten)",
+              file=sys.stderr)
+        return 2
+    from properties.bench import write_json  # noqa: PLC0415
+    doc = dict(schema=SCHEMA, provenance=collect(),
+               chunk_size=args.chunk_size, rounds=args.rounds, reps=args.reps,
+               arms={arm.name: arm.describe() for arm in arms}, cases=[])
+    for case in cases:
+        try:
+            record = run_case(case, arms, args.rounds, args.reps)
+        except Exception as exc:  # the case's problem or plan: recorded, the next case runs
+            record = dict(case=case.text, failed=f"{type(exc).__name__}: {exc}"[:2000], arms={})
+        doc["cases"].append(record)
+        write_json(doc, out)
+        print("\n".join(format_record(doc["cases"][-1])), flush=True)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,227 @@
+"""``mamba2-cutile ab`` on the CPU: its cases and arms checked before any GPU work, the rounds'
+interleaving, the comparison with the dispatched plan and one case end to end with stand-ins for
+the kernels and the CUDA timer. tests/test_bench_gpu.py runs it on the kernels."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import ssd
+from kernels.variants import _anchor
+from oracles.chunked_reference import chunked_ssd
+from properties import ab, bench
+
+WALK_ARM = "t2 scan_out.occupancy=2 scan_out.out_transposed=true scan_out.b_latency=0"
+
+
+def test_a_case_is_a_benchmark_problem_with_spec_fields_changed():
+    case = ab.parse_case("8,4096,64,64,128,1 x_dtype=fp16 bc_dtype=fp16 z=true D=channel "
+                         "dt_limit=[0.0,6.0]", chunk_size=64)
+    assert case.spec == dataclasses.replace(
+        bench.bench_spec((8, 4096, 64, 64, 128, 1), 64), x_dtype="fp16", bc_dtype="fp16", z=True,
+        D="channel", dt_limit=(0.0, 6.0))
+    assert ab.parse_case("2,512,8,64,64,2", 128).spec.chunk_size == 128
+
+
+@pytest.mark.parametrize("text, named", [
+    ("8,4096,64,64,128", "B,L,H,P,N,G"),
+    ("8,4096,0,64,128,1", "B,L,H,P,N,G"),
+    ("8,4096,6,64,128,4", "G dividing H"),
+    ("8,4096,64,64,128,1 z", "NAME=VALUE"),
+    ("8,4096,64,64,128,1 zz=true", "'zz'"),
+    ("8,4096,64,64,128,1 chunk_size=64", "--chunk-size"),
+    ("8,4096,64,64,128,1 z=1", "ProblemSpec.z expected bool, got 1"),
+    ("8,4096,64,64,128,1 seed=true", "ProblemSpec.seed expected int, got True"),
+    ("8,4096,64,64,128,1 x_dtype=fp8", "ProblemSpec.x_dtype expected one of"),
+    ("8,4096,64,64,128,1 D=row", "ProblemSpec.D expected one of"),
+    ("8,4096,64,64,128,1 regime=calm", "ProblemSpec.regime expected one of"),
+])
+def test_a_bad_case_is_refused_naming_what_was_expected(text, named):
+    with pytest.raises(ValueError, match="--case") as refused:
+        ab.parse_case(text, 64)
+    assert named in str(refused.value)
+
+
+def test_an_arm_names_config_fields_of_the_plan_with_values_of_their_types():
+    arm = ab.parse_arm(WALK_ARM + " scan_out.x_dtype=fp16 cumsum.head_block=8")
+    assert arm.name == "t2"
+    assert arm.changes == {"scan_out": dict(occupancy=2, out_transposed=True, b_latency=0,
+                                            x_dtype=torch.float16),
+                           "cumsum": dict(head_block=8)}
+    assert ab.parse_arm("none scan_out.occupancy=null").changes == {"scan_out": {"occupancy": None}}
+    assert "scan_out.out_transposed=true" in arm.describe()
+
+
+@pytest.mark.parametrize("text, named", [
+    ("t2", "a name"),
+    ("dispatched scan_out.occupancy=2", "not 'dispatched'"),
+    ("t/2 scan_out.occupancy=2", "a name"),
+    ("t2 scan_outs.occupancy=2", "a kernel config of the plan"),
+    ("t2 walk_segments.x=2", "a kernel config of the plan"),
+    ("t2 scan_out.occ=2", "a field of ScanOutConfig"),
+    ("t2 scan_out.occupancy=true", "scan_out.occupancy expected int or None, got True"),
+    ("t2 scan_out.out_transposed=1", "scan_out.out_transposed expected bool, got 1"),
+    ("t2 scan_out.b_latency=1.5", "scan_out.b_latency expected int, got 1.5"),
+    ("t2 scan_out.precision=3", "scan_out.precision expected str, got 3"),
+    ("t2 scan_out.x_dtype=fp8", "scan_out.x_dtype expected dtype"),
+])
+def test_a_bad_arm_is_refused_naming_what_was_expected(text, named):
+    with pytest.raises(ValueError, match="--arm") as refused:
+        ab.parse_arm(text)
+    assert named in str(refused.value)
+
+
+def _plan() -> ssd.Plan:
+    """The first anchor's plan on the H200 in fp16, out alone (the walk, in out's orientation)."""
+    fp16 = dict(x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)
+    key = dataclasses.replace(_anchor(8, 4096, 64, 1, **fp16), chunk_size=64,
+                              states_returned=False)
+    return ssd.make_plan(key, capability=90)
+
+
+def test_an_arm_changes_only_its_fields_and_says_where_it_does_not_apply():
+    plan = _plan()
+    changed = ab.apply_arm(plan, ab.parse_arm(WALK_ARM))
+    assert changed.scan_out == dataclasses.replace(plan.scan_out, occupancy=2,
+                                                   out_transposed=True, b_latency=0)
+    assert dataclasses.replace(changed, scan_out=plan.scan_out) == plan
+    for stage in ("out", "state_scan"):   # held by the walk's plan, not launched
+        assert ab.apply_arm(plan, ab.parse_arm(f"s {stage}.p_block=32")) == (
+            f"the plan does not launch its {stage} (it launches chunk_cumsum, chunk_scores, "
+            "scan_out)")
+
+
+def test_rounds_interleave_the_arms_in_a_rotating_order():
+    order = []
+    calls = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
+
+    def times(fn, reps):
+        for _ in range(reps):
+            fn()
+        return [float(len(order))] * reps
+
+    timed = ab.interleaved_times(calls, rounds=3, reps=2, times=times)
+    assert order == ["a", "a", "b", "b", "c", "c", "b", "b", "c", "c", "a", "a",
+                     "c", "c", "a", "a", "b", "b"]
+    assert {name: len(t) for name, t in timed.items()} == {"a": 6, "b": 6, "c": 6}
+    assert timed["a"][:2] == [2.0, 2.0] and timed["a"][2:4] == [12.0, 12.0]
+
+
+def test_comparison_is_bit_for_bit_on_out_and_final_states():
+    out, states = torch.ones(2, 3), torch.zeros(2)
+    nudged = out.clone()
+    nudged[1, 2] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    found = ab.compare({"dispatched": (out, states), "same": (out.clone(), states.clone()),
+                        "nudged": (nudged, states), "states": (out, states + 1),
+                        "no_states": (out, None)})
+    assert {name: f["bit_equal"] for name, f in found.items()} == dict(
+        dispatched=True, same=True, nudged=False, states=False, no_states=False)
+    assert found["nudged"]["max_abs_diff"] == pytest.approx(2.0 ** -23)
+    assert found["states"]["max_abs_diff"] == 0.0
+
+
+@dataclasses.dataclass
+class _StandInPipeline:
+    """The float32 chunked reference in the kernels' place (``_stand_in_launch``)."""
+
+    problem: object
+    plan: ssd.Plan
+
+
+def _stand_in_launch(pipeline):
+    """A transposed walk adds 1e-3 to out; B's hint 7 fails to compile."""
+    result = chunked_ssd(pipeline.problem)
+    if pipeline.plan.scan_out.out_transposed:
+        result = dataclasses.replace(result, out=result.out + 1e-3)
+    if pipeline.plan.scan_out.b_latency == 7:
+        raise RuntimeError("failed to compile Tile IR program")
+    return result
+
+
+class _CountingTimer:
+    def __init__(self, plan):
+        pass
+
+    def times(self, fn, reps):
+        fn()
+        return [2.0] * reps
+
+
+def test_one_case_end_to_end_with_stand_ins(monkeypatch):
+    spec_text = "2,128,8,16,16,2 return_final_states=true"
+    case = ab.parse_case(spec_text, 64)
+    plan = _plan()
+    monkeypatch.setattr(ssd, "stage_pipeline",
+                        lambda problem: _StandInPipeline(problem, plan))
+    monkeypatch.setattr(ssd, "launch_stages", _stand_in_launch)
+    monkeypatch.setattr(bench, "CudaTimer", _CountingTimer)
+    arms = [ab.parse_arm(WALK_ARM), ab.parse_arm("pair scan_out.occupancy=2"),
+            ab.parse_arm("broken scan_out.b_latency=7"), ab.parse_arm("s state_scan.p_block=32")]
+    record = ab.run_case(case, arms, rounds=2, reps=3, device="cpu")
+    found = record["arms"]
+    assert list(found) == ["dispatched", "t2", "pair", "broken", "s"]
+    assert found["pair"]["bit_equal"] and not found["t2"]["bit_equal"]
+    assert 0 < found["t2"]["max_abs_diff"] < 4e-3        # 1e-3 added, out in bf16
+    errors = {name: found[name]["error"]["normwise_rel"] for name in ("dispatched", "pair", "t2")}
+    assert errors["t2"] > 2 * errors["pair"] and errors["pair"] == errors["dispatched"]
+    assert found["pair"]["ms"] == 2.0 and found["pair"]["ratio"] == 1.0
+    assert len(found["pair"]["times_ms"]) == 6
+    assert found["broken"]["failed"].startswith("RuntimeError: failed to compile")
+    assert found["s"]["not_applicable"].startswith("the plan does not launch its state_scan")
+    assert record["dispatched"]["scan_out"]["out_transposed"] == "False"
+    assert "state_scan" not in record["dispatched"]
+    lines = ab.format_record(record)
+    assert lines[0] == spec_text and "1.000x" in lines[2] and "failed to compile" in lines[4]
+    json.dumps(record)      # the record is JSON as it stands
+
+
+def test_a_case_whose_dispatched_plan_fails_says_so(monkeypatch):
+    plan = _plan()
+    monkeypatch.setattr(ssd, "stage_pipeline", lambda problem: _StandInPipeline(
+        problem, dataclasses.replace(plan, scan_out=dataclasses.replace(plan.scan_out,
+                                                                        b_latency=7))))
+    monkeypatch.setattr(ssd, "launch_stages", _stand_in_launch)
+    record = ab.run_case(ab.parse_case("1,64,4,16,16,1", 64), [ab.parse_arm(WALK_ARM)], 1, 1,
+                         device="cpu")
+    assert record["failed"].startswith("the dispatched plan: RuntimeError")
+    assert "ms" not in record["arms"]["t2"]
+    assert "failed: the dispatched plan" in ab.format_record(record)[0]
+
+
+def _args(tmp_path: Path, **changes) -> argparse.Namespace:
+    args = dict(case=["2,128,8,16,16,2"], arm=[WALK_ARM], chunk_size=64, rounds=5, reps=7,
+                out=tmp_path / "ab.json")
+    return argparse.Namespace(**{**args, **changes})
+
+
+@pytest.mark.parametrize("changes, named", [
+    (dict(arm=[WALK_ARM, WALK_ARM]), "--arm: expected distinct names"),
+    (dict(rounds=0), "--rounds, --reps"),
+    (dict(case=["2,128,8,16,16"]), "--case"),
+])
+def test_the_command_refuses_bad_options_before_any_gpu_work(tmp_path, capsys, changes, named):
+    assert ab.main(_args(tmp_path, **changes)) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_the_command_needs_a_gpu_and_never_overwrites_a_record(tmp_path, capsys, monkeypatch):
+    if not torch.cuda.is_available():
+        assert ab.main(_args(tmp_path)) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    (tmp_path / "ab.json").write_text("{}")
+    assert ab.main(_args(tmp_path)) == 2
+    assert "exists" in capsys.readouterr().err
+    assert (tmp_path / "ab.json").read_text() == "{}"
+
+
+def test_the_default_record_is_named_after_the_arms_and_the_commit():
+    path = ab.default_out([ab.parse_arm(WALK_ARM), ab.parse_arm("pair scan_out.occupancy=2")])
+    assert path.parent.name == "experiments" and path.name.startswith("ab_t2_pair_")
+    assert path.suffix == ".json"
+
