@@ -18,6 +18,12 @@ same one. Recorded per arm: the median, its
 ratio to the dispatched plan's, whether out and final states equal the dispatched plan's bit for
 bit, the largest difference, and out's error against the float64 reference (as the bench's rows).
 
+``--compile sm_90`` (any target tileiras knows) needs no GPU: it compiles each case's kernels as
+the dispatcher plans them for that target on the H200's SM count, and each arm's, as their
+launches specialize them (``kernels.variants.launch_signatures``), and records per kernel its
+registers, spilled bytes, shared memory and tensor-core MMAs: whether an arm fits (two blocks an
+SM need at most half of its shared memory) before a GPU times it.
+
 The record (JSON, with provenance) is rewritten after every case, so an interrupted run keeps the
 cases it finished; an existing file is never overwritten.
 """
@@ -215,7 +221,7 @@ def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = 
     from properties.metrics import error_metrics  # noqa: PLC0415
     from properties.problems import build_problem  # noqa: PLC0415
     problem = build_problem(case.spec, device, draw_on_device=True)
-    base = stage_pipeline(problem)
+    base = stage_pipeline(problem, varlen=case.spec.return_varlen_states)    # as ssd_forward
     record: dict = dict(case=case.text, spec=dataclasses.asdict(case.spec), arms={DISPATCHED: {}})
     pipelines = {DISPATCHED: base}
     for arm in arms:
@@ -259,6 +265,60 @@ def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = 
     return record
 
 
+def case_key(spec: ProblemSpec):
+    """The dispatcher's key of the case's call (``kernels.ssd.ProblemKey``), read off the case
+    drawn at one chunk of one row (its features, dtypes and flags) with its sizes put back: no
+    data of the case's size on the CPU. Packed sequences are drawn whole (their offsets are
+    the sequence's)."""
+    from kernels.ssd import _key  # noqa: PLC0415
+    from properties.problems import build_problem  # noqa: PLC0415
+    if spec.cu_seqlens is not None:     # varlen as ssd_forward's stage_pipeline takes it
+        return _key(build_problem(spec), spec.return_varlen_states, None)
+    small = dataclasses.replace(spec, batch=1, seqlen=spec.chunk_size)
+    sizes = {name: getattr(spec, name)
+             for name in ("batch", "seqlen", "nheads", "headdim", "dstate", "ngroups")}
+    return dataclasses.replace(_key(build_problem(small), False, None), **sizes)
+
+
+def compiled_kernels(key, plan, target: str, done: dict) -> dict:
+    """kernel name -> its compile for ``target`` on ``key``'s launches of ``plan`` (ok, registers,
+    spill_bytes, shared_bytes, tensor_core_mmas, seconds; the error where it failed); ``done``
+    holds the compiles of earlier calls, by config and signature."""
+    from kernels.variants import Variant, compile_variant, launch_signatures  # noqa: PLC0415
+    found = {}
+    for name, config, signature in launch_signatures(key, plan):
+        memo = (config, repr(signature))
+        if memo not in done:
+            variant = Variant(name, config, signature, ("ab",), getattr(config, "precision", ""))
+            result = compile_variant(variant, target)
+            done[memo] = dict(ok=result.ok, registers=result.registers,
+                              spill_bytes=result.spill_bytes, shared_bytes=result.shared_bytes,
+                              tensor_core_mmas=result.tensor_core_mmas,
+                              seconds=round(result.seconds, 1))
+            if not result.ok:
+                done[memo]["error"] = result.error[-2000:]
+        found[name] = done[memo]
+    return found
+
+
+def compile_case(case: Case, arms: list[Arm], target: str, done: dict) -> dict:
+    """The case's record of ``--compile``: the dispatched plan's kernels and each arm's."""
+    from kernels.ssd import make_plan  # noqa: PLC0415
+    from kernels.variants import target_capability  # noqa: PLC0415
+    key = case_key(case.spec)
+    base = make_plan(key, capability=target_capability(target))
+    record: dict = dict(case=case.text, spec=dataclasses.asdict(case.spec), target=target,
+                        arms={DISPATCHED: dict(kernels=compiled_kernels(key, base, target, done))})
+    for arm in arms:
+        plan = apply_arm(base, arm)
+        if isinstance(plan, str):
+            record["arms"][arm.name] = dict(changes=arm.describe(), not_applicable=plan)
+        else:
+            record["arms"][arm.name] = dict(changes=arm.describe(),
+                                            kernels=compiled_kernels(key, plan, target, done))
+    return record
+
+
 def format_record(record: dict) -> list[str]:
     lines = [record["case"] + (f": failed: {record['failed']}" if "failed" in record else "")]
     for name, arm in record["arms"].items():
@@ -266,14 +326,23 @@ def format_record(record: dict) -> list[str]:
             lines.append(f"  {name:14s} {arm['ms']:8.4f} ms {arm['ratio']:6.3f}x  bit-equal "
                          f"{arm['bit_equal']!s:5s} max diff {arm['max_abs_diff']:.3g}  normwise "
                          f"{arm['error']['normwise_rel']:.3g}")
+        elif "kernels" in arm:
+            # An arm's line names the kernels whose compile differs from the dispatched plan's.
+            as_dispatched = record["arms"][DISPATCHED]["kernels"] if name != DISPATCHED else {}
+            shown = {kernel: k for kernel, k in arm["kernels"].items()
+                     if as_dispatched.get(kernel) != k}
+            lines.append(f"  {name:14s} " + ("; ".join(
+                f"{kernel} {k['registers']} regs, {k['spill_bytes']} B spilled, "
+                f"{k['shared_bytes']} B shared" if k["ok"] else f"{kernel} FAILED to compile"
+                for kernel, k in shown.items()) or "as dispatched"))
         else:
             lines.append(f"  {name:14s} {arm.get('failed') or arm.get('not_applicable')}")
     return lines
 
 
-def default_out(arms: list[Arm]) -> Path:
+def default_out(arms: list[Arm], target: str | None = None) -> Path:
     commit = collect().get("git_commit") or "nocommit"
-    tag = "_".join(arm.name for arm in arms)
+    tag = "_".join([arm.name for arm in arms] + ([target] if target else []))
     return REPO_ROOT / "reports" / device_label() / "experiments" / f"ab_{tag}_{commit[:7]}.json"
 
 
@@ -289,9 +358,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the cases' chunk size (default 64, where the walk runs)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=7, help="timed calls of each arm a round")
+    parser.add_argument("--compile", metavar="TARGET", default=None,
+                        help="no GPU: compile each plan's kernels for TARGET (sm_80, sm_90, "
+                             "sm_100, ...) and record their registers, spills and shared memory")
     parser.add_argument("--out", type=Path, default=None,
                         help="the record (default reports/<device>/experiments/"
-                             "ab_<arm names>_<commit>.json); never overwritten")
+                             "ab_<arm names>[_<target>]_<commit>.json); never overwritten")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -304,13 +376,16 @@ def main(args: argparse.Namespace) -> int:
         names = [arm.name for arm in arms]
         if len(set(names)) != len(names):
             raise ValueError(f"--arm: expected distinct names, got {names}")
+        if args.compile is not None and not re.fullmatch(r"sm_\d+", args.compile):
+            raise ValueError(f"--compile: expected a target such as sm_90, got {args.compile!r}")
     except ValueError as exc:
         print(f"ab: {exc}", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
-        print("ab: needs a CUDA device and none is visible to torch", file=sys.stderr)
+    if args.compile is None and not torch.cuda.is_available():
+        print("ab: needs a CUDA device and none is visible to torch (--compile TARGET needs none)",
+              file=sys.stderr)
         return 2
-    out = args.out or default_out(arms)
+    out = args.out or default_out(arms, args.compile)
     if out.exists():
         print(f"ab: --out {out} exists; give another path (records are never overwritten)",
               file=sys.stderr)
@@ -318,10 +393,15 @@ def main(args: argparse.Namespace) -> int:
     from properties.bench import write_json  # noqa: PLC0415
     doc = dict(schema=SCHEMA, provenance=collect(),
                chunk_size=args.chunk_size, rounds=args.rounds, reps=args.reps,
-               arms={arm.name: arm.describe() for arm in arms}, cases=[])
+               compile_target=args.compile, arms={arm.name: arm.describe() for arm in arms},
+               cases=[])
+    done: dict = {}
     for case in cases:
         try:
-            record = run_case(case, arms, args.rounds, args.reps)
+            if args.compile is not None:
+                record = compile_case(case, arms, args.compile, done)
+            else:
+                record = run_case(case, arms, args.rounds, args.reps)
         except Exception as exc:  # the case's problem or plan: recorded, the next case runs
             record = dict(case=case.text, failed=f"{type(exc).__name__}: {exc}"[:2000], arms={})
         doc["cases"].append(record)

@@ -15,6 +15,7 @@ from kernels import ssd
 from kernels.variants import _anchor
 from oracles.chunked_reference import chunked_ssd
 from properties import ab, bench
+from properties.problems import build_problem
 
 WALK_ARM = "t2 scan_out.occupancy=2 scan_out.out_transposed=true scan_out.b_latency=0"
 
@@ -157,7 +158,7 @@ def test_one_case_end_to_end_with_stand_ins(monkeypatch):
     case = ab.parse_case(spec_text, 64)
     plan = _plan()
     monkeypatch.setattr(ssd, "stage_pipeline",
-                        lambda problem: _StandInPipeline(problem, plan))
+                        lambda problem, varlen: _StandInPipeline(problem, plan))
     monkeypatch.setattr(ssd, "launch_stages", _stand_in_launch)
     monkeypatch.setattr(bench, "CudaTimer", _CountingTimer)
     arms = [ab.parse_arm(WALK_ARM), ab.parse_arm("pair scan_out.occupancy=2"),
@@ -182,7 +183,7 @@ def test_one_case_end_to_end_with_stand_ins(monkeypatch):
 
 def test_a_case_whose_dispatched_plan_fails_says_so(monkeypatch):
     plan = _plan()
-    monkeypatch.setattr(ssd, "stage_pipeline", lambda problem: _StandInPipeline(
+    monkeypatch.setattr(ssd, "stage_pipeline", lambda problem, varlen: _StandInPipeline(
         problem, dataclasses.replace(plan, scan_out=dataclasses.replace(plan.scan_out,
                                                                         b_latency=7))))
     monkeypatch.setattr(ssd, "launch_stages", _stand_in_launch)
@@ -195,7 +196,7 @@ def test_a_case_whose_dispatched_plan_fails_says_so(monkeypatch):
 
 def _args(tmp_path: Path, **changes) -> argparse.Namespace:
     args = dict(case=["2,128,8,16,16,2"], arm=[WALK_ARM], chunk_size=64, rounds=5, reps=7,
-                out=tmp_path / "ab.json")
+                compile=None, out=tmp_path / "ab.json")
     return argparse.Namespace(**{**args, **changes})
 
 
@@ -203,6 +204,7 @@ def _args(tmp_path: Path, **changes) -> argparse.Namespace:
     (dict(arm=[WALK_ARM, WALK_ARM]), "--arm: expected distinct names"),
     (dict(rounds=0), "--rounds, --reps"),
     (dict(case=["2,128,8,16,16"]), "--case"),
+    (dict(compile="hopper"), "--compile: expected a target such as sm_90, got 'hopper'"),
 ])
 def test_the_command_refuses_bad_options_before_any_gpu_work(tmp_path, capsys, changes, named):
     assert ab.main(_args(tmp_path, **changes)) == 2
@@ -225,3 +227,39 @@ def test_the_default_record_is_named_after_the_arms_and_the_commit():
     assert path.parent.name == "experiments" and path.name.startswith("ab_t2_pair_")
     assert path.suffix == ".json"
 
+
+
+@pytest.mark.parametrize("changes", [
+    dict(x_dtype="fp16", bc_dtype="fp16", return_final_states=True, z=True, D="channel"),
+    dict(x_dtype="fp32", dt_bias=True, dt_softplus=True, dt_limit=(0.0, 6.0), D="head",
+         initial_states=True),
+    dict(batch=1, cu_seqlens=(0, 100, 130, 256), initial_states=True,
+         per_sequence_initial_states=True, return_varlen_states=True),
+])
+def test_the_case_key_is_the_key_of_the_whole_call(changes):
+    spec = dataclasses.replace(ab.parse_case("2,256,8,16,32,2", 64).spec, **changes)
+    problem = build_problem(spec)
+    whole = ssd._key(problem, problem.cu_seqlens is not None and spec.return_varlen_states, None)
+    assert ab.case_key(spec) == whole
+
+
+def test_compile_mode_records_each_plans_kernels_without_a_gpu(tmp_path, capsys):
+    # What session 61 found by hand at b1212d5 for the fp16 walk (kernels/ssd.py, WALK_PAIRING),
+    # as one command: the compiles are the toolchain's, so only their bookkeeping is pinned.
+    args = argparse.Namespace(case=["8,4096,64,64,128,1 x_dtype=fp16 bc_dtype=fp16"],
+                              arm=[WALK_ARM, "rows out.row_block=32"], chunk_size=64, rounds=5,
+                              reps=7, compile="sm_90", out=tmp_path / "ab.json")
+    assert ab.main(args) == 0
+    doc = json.loads(args.out.read_text())
+    assert doc["compile_target"] == "sm_90"
+    (record,) = doc["cases"]
+    dispatched, t2 = (record["arms"][name]["kernels"] for name in ("dispatched", "t2"))
+    assert list(dispatched) == list(t2) == ["chunk_cumsum", "chunk_scores", "scan_out"]
+    for kernel in (*dispatched.values(), *t2.values()):
+        assert kernel["ok"] and 0 < kernel["registers"] <= 255 and kernel["shared_bytes"] > 0
+    assert dispatched["scan_out"]["tensor_core_mmas"] > 0
+    assert t2["chunk_cumsum"] == dispatched["chunk_cumsum"]    # the same config: compiled once
+    assert record["arms"]["rows"]["not_applicable"].startswith("the plan does not launch its out")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split()[:2] == ["t2", "scan_out"]      # the arm's line: what differs
+    assert ab.main(args) == 2                            # the record is never overwritten

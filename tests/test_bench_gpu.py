@@ -159,7 +159,7 @@ def test_ab_end_to_end(tmp_path, capsys):
     from properties import ab
     args = argparse.Namespace(case=["2,1024,64,64,128,1"], chunk_size=64, rounds=2, reps=3,
                               arm=["pair scan_out.occupancy=2", "rows out.row_block=32"],
-                              out=tmp_path / "ab.json")
+                              compile=None, out=tmp_path / "ab.json")
     assert ab.main(args) == 0
     doc = json.loads(args.out.read_text())
     assert doc["schema"] == ab.SCHEMA and doc["provenance"]["device"] != "cpu"
