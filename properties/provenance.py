@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -88,7 +89,8 @@ def collect(command: list[str] | None = None) -> dict:
     """A JSON-able record of the environment a result was produced in."""
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(command if command is not None else sys.argv),
+        # Quoted where a word holds spaces (ab's --case and --arm): the line replays as it ran.
+        "command": shlex.join(command if command is not None else sys.argv),
         **_git_state(),
         "python": platform.python_version(),
         "torch": torch.__version__,

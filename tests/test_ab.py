@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -263,3 +264,10 @@ def test_compile_mode_records_each_plans_kernels_without_a_gpu(tmp_path, capsys)
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].split()[:2] == ["t2", "scan_out"]      # the arm's line: what differs
     assert ab.main(args) == 2                            # the record is never overwritten
+
+
+def test_the_recorded_command_replays_as_it_ran():
+    # ab's cases and arms are words with spaces: the provenance quotes them.
+    from properties.provenance import collect
+    argv = ["mamba2-cutile", "ab", "--case", "8,4096,64,64,128,1 x_dtype=fp16", "--arm", WALK_ARM]
+    assert shlex.split(collect(argv)["command"]) == argv
