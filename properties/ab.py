@@ -43,9 +43,12 @@ from typing import Any, Callable
 
 import torch
 
-from properties.problems import DTYPES, ProblemSpec
-from properties.regimes import REGIMES
+from kernels import ssd, variants
+from properties import bench
+from properties.metrics import error_metrics
+from properties.problems import DTYPES, ProblemSpec, build_problem
 from properties.provenance import REPO_ROOT, collect, device_label
+from properties.regimes import REGIMES
 
 SCHEMA = "mamba2-cutile ab 1"
 DISPATCHED = "dispatched"
@@ -117,7 +120,6 @@ def coerce(option: str, owner: str, field: str, hint, value: Any) -> Any:
 
 def parse_case(text: str, chunk_size: int) -> Case:
     """'B,L,H,P,N,G [field=value ...]' -> the benchmark problem with those ProblemSpec fields."""
-    from properties.bench import bench_spec  # noqa: PLC0415
     words = text.split()
     try:
         dims = tuple(int(d) for d in words[0].split(","))
@@ -138,14 +140,13 @@ def parse_case(text: str, chunk_size: int) -> Case:
             raise ValueError(f"--case: ProblemSpec.{name} expected one of "
                              f"{sorted(CASE_CHOICES[name], key=str)}, got {value!r}")
         changes[name] = value
-    return Case(text, bench_spec(dims, chunk_size, **changes))
+    return Case(text, bench.bench_spec(dims, chunk_size, **changes))
 
 
 def _config_classes() -> dict:
     """Plan field -> its kernel config class (the plan's dataclass fields, Optional unwrapped)."""
-    from kernels.ssd import Plan  # noqa: PLC0415
     classes = {}
-    for name, hint in typing.get_type_hints(Plan).items():
+    for name, hint in typing.get_type_hints(ssd.Plan).items():
         found = [a for a in _allowed(hint) if dataclasses.is_dataclass(a)]
         if found:
             classes[name] = found[0]
@@ -216,12 +217,8 @@ def compare(outs: dict, base: str = DISPATCHED) -> dict:
 
 def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = "cuda") -> dict:
     """The case's record: the plan's changed configs as dispatched and each arm's figures."""
-    from kernels.ssd import launch_stages, stage_pipeline  # noqa: PLC0415
-    from properties.bench import FULL_TIMING, CudaTimer, error_slice, reference_out  # noqa: PLC0415
-    from properties.metrics import error_metrics  # noqa: PLC0415
-    from properties.problems import build_problem  # noqa: PLC0415
     problem = build_problem(case.spec, device, draw_on_device=True)
-    base = stage_pipeline(problem, varlen=case.spec.return_varlen_states)    # as ssd_forward
+    base = ssd.stage_pipeline(problem, varlen=case.spec.return_varlen_states)    # as ssd_forward
     record: dict = dict(case=case.text, spec=dataclasses.asdict(case.spec), arms={DISPATCHED: {}})
     pipelines = {DISPATCHED: base}
     for arm in arms:
@@ -234,13 +231,13 @@ def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = 
     record["dispatched"] = {stage: {k: str(v) for k, v in dataclasses.asdict(
         getattr(base.plan, stage)).items()} for arm in arms for stage in arm.changes
         if getattr(base.plan, stage) is not None}
-    rows, heads, groups = error_slice(case.spec)
-    exact = reference_out(problem, rows, heads, groups)
+    rows, heads, groups = bench.error_slice(case.spec)
+    exact = bench.reference_out(problem, rows, heads, groups)
     outs, calls = {}, {}
     for name, pipeline in pipelines.items():
         entry = record["arms"][name]
         try:
-            result = launch_stages(pipeline)
+            result = ssd.launch_stages(pipeline)
             if problem.x.is_cuda:
                 torch.cuda.synchronize()
         except Exception as exc:  # an arm that fails to compile or launch: recorded, not fatal
@@ -249,13 +246,13 @@ def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = 
         outs[name] = (result.out, result.final_states)
         entry["error"] = error_metrics(result.out[:rows, :, :heads], exact,
                                        DTYPES[case.spec.x_dtype])
-        calls[name] = lambda pipeline=pipeline: launch_stages(pipeline)
+        calls[name] = lambda pipeline=pipeline: ssd.launch_stages(pipeline)
     if DISPATCHED not in outs:
         record["failed"] = "the dispatched plan: " + record["arms"][DISPATCHED]["failed"]
         return record
     for name, found in compare(outs).items():
         record["arms"][name].update(found)
-    timer = CudaTimer(FULL_TIMING)
+    timer = bench.CudaTimer(bench.FULL_TIMING)
     interleaved_times(calls, 1, reps, timer.times)      # warm-up round, not recorded
     timed = interleaved_times(calls, rounds, reps, timer.times)
     base_ms = statistics.median(timed[DISPATCHED])
@@ -270,27 +267,25 @@ def case_key(spec: ProblemSpec):
     drawn at one chunk of one row (its features, dtypes and flags) with its sizes put back: no
     data of the case's size on the CPU. Packed sequences are drawn whole (their offsets are
     the sequence's)."""
-    from kernels.ssd import _key  # noqa: PLC0415
-    from properties.problems import build_problem  # noqa: PLC0415
     if spec.cu_seqlens is not None:     # varlen as ssd_forward's stage_pipeline takes it
-        return _key(build_problem(spec), spec.return_varlen_states, None)
+        return ssd._key(build_problem(spec), spec.return_varlen_states, None)
     small = dataclasses.replace(spec, batch=1, seqlen=spec.chunk_size)
     sizes = {name: getattr(spec, name)
              for name in ("batch", "seqlen", "nheads", "headdim", "dstate", "ngroups")}
-    return dataclasses.replace(_key(build_problem(small), False, None), **sizes)
+    return dataclasses.replace(ssd._key(build_problem(small), False, None), **sizes)
 
 
 def compiled_kernels(key, plan, target: str, done: dict) -> dict:
     """kernel name -> its compile for ``target`` on ``key``'s launches of ``plan`` (ok, registers,
     spill_bytes, shared_bytes, tensor_core_mmas, seconds; the error where it failed); ``done``
     holds the compiles of earlier calls, by config and signature."""
-    from kernels.variants import Variant, compile_variant, launch_signatures  # noqa: PLC0415
     found = {}
-    for name, config, signature in launch_signatures(key, plan):
+    for name, config, signature in variants.launch_signatures(key, plan):
         memo = (config, repr(signature))
         if memo not in done:
-            variant = Variant(name, config, signature, ("ab",), getattr(config, "precision", ""))
-            result = compile_variant(variant, target)
+            variant = variants.Variant(name, config, signature, ("ab",),
+                                       getattr(config, "precision", ""))
+            result = variants.compile_variant(variant, target)
             done[memo] = dict(ok=result.ok, registers=result.registers,
                               spill_bytes=result.spill_bytes, shared_bytes=result.shared_bytes,
                               tensor_core_mmas=result.tensor_core_mmas,
@@ -303,10 +298,8 @@ def compiled_kernels(key, plan, target: str, done: dict) -> dict:
 
 def compile_case(case: Case, arms: list[Arm], target: str, done: dict) -> dict:
     """The case's record of ``--compile``: the dispatched plan's kernels and each arm's."""
-    from kernels.ssd import make_plan  # noqa: PLC0415
-    from kernels.variants import target_capability  # noqa: PLC0415
     key = case_key(case.spec)
-    base = make_plan(key, capability=target_capability(target))
+    base = ssd.make_plan(key, capability=variants.target_capability(target))
     record: dict = dict(case=case.text, spec=dataclasses.asdict(case.spec), target=target,
                         arms={DISPATCHED: dict(kernels=compiled_kernels(key, base, target, done))})
     for arm in arms:
@@ -390,7 +383,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"ab: --out {out} exists; give another path (records are never overwritten)",
               file=sys.stderr)
         return 2
-    from properties.bench import write_json  # noqa: PLC0415
     doc = dict(schema=SCHEMA, provenance=collect(),
                chunk_size=args.chunk_size, rounds=args.rounds, reps=args.reps,
                compile_target=args.compile, arms={arm.name: arm.describe() for arm in arms},
@@ -405,7 +397,7 @@ def main(args: argparse.Namespace) -> int:
         except Exception as exc:  # the case's problem or plan: recorded, the next case runs
             record = dict(case=case.text, failed=f"{type(exc).__name__}: {exc}"[:2000], arms={})
         doc["cases"].append(record)
-        write_json(doc, out)
+        bench.write_json(doc, out)
         print("\n".join(format_record(doc["cases"][-1])), flush=True)
     print(f"wrote {out}", file=sys.stderr)
     return 0
