@@ -33,7 +33,7 @@ from properties.problems import (STATE_NEAR_TOP_SCALE, SUBNORMAL_CASES, SUBNORMA
                                  ProblemSpec, build_problem, near_top_problem,
                                  subnormal_decay_problem)
 from properties.regimes import REGIMES
-from properties.strategies import CPU_CHUNK_SIZES, scenarios
+from properties.strategies import CPU_CHUNK_SIZES, DTYPE_MIXES, scenarios
 
 REFERENCE = get_impl("reference")
 REGRESSIONS = json.loads((Path(__file__).parent / "regressions.json").read_text())
@@ -106,9 +106,15 @@ def assert_accurate(impl, problem, result, exact, rec, steer: bool = True) -> No
                      f"{first.stage if first else '-'}\n  " + "\n  ".join(bad))
 
 
-def artifact(impl, name, problem, spec, **options):
-    return repro.failure_artifact(kind="property", name=f"{name}[{impl.name}]", problem=problem,
-                                  impl=impl.name, spec=spec, options=options)
+def artifact(impl, name, problem, spec, mixes=None, **options):
+    """The failure recorder of one check. ``mixes``: the test item's dtype mixes; where the profile
+    runs one item per mix (gpu, nightly) the artifact is named after its mix, so that each
+    failing mix of a property keeps its own (under one name, three failing mixes of one property
+    left one artifact in a nightly run on the CPU); within an item a shrinking run still
+    overwrites it with the smaller example."""
+    mix = f"[{'-'.join(mixes[0])}]" if mixes is not None and len(mixes) == 1 else ""
+    return repro.failure_artifact(kind="property", name=f"{name}[{impl.name}]{mix}",
+                                  problem=problem, impl=impl.name, spec=spec, options=options)
 
 
 def artifact_unless_known_miss(request, known_miss, impl, name, problem, spec):
@@ -127,7 +133,7 @@ def artifact_unless_known_miss(request, known_miss, impl, name, problem, spec):
 def test_accuracy_against_float64(impl, mixes, data):
     spec = data.draw(scenarios(impl, mixes=mixes), label="spec")
     problem = build(impl, spec)
-    with artifact(impl, "accuracy", problem, spec) as rec:
+    with artifact(impl, "accuracy", problem, spec, mixes) as rec:
         assert_accurate(impl, problem, impl(problem), check.exact_stages(problem), rec)
 
 
@@ -251,7 +257,7 @@ def test_finite_wherever_the_exact_answer_is_finite(impl, mixes, data):
     allowance of +-max, of the right sign, never NaN."""
     spec = data.draw(scenarios(impl, mixes=mixes, regimes=EXTREME_REGIMES), label="spec")
     problem = build(impl, spec)
-    with artifact(impl, "finite", problem, spec) as rec:
+    with artifact(impl, "finite", problem, spec, mixes) as rec:
         result = impl(problem)
         exact = check.exact_stages(problem)
         rec.errors["impl"] = check.stage_errors(problem, result, exact)
@@ -283,7 +289,7 @@ def test_stages_follow_the_shared_layouts(impl, mixes, data):
         pytest.skip(f"{impl.name} does not expose its stages")
     spec = data.draw(scenarios(impl, mixes=mixes), label="spec")
     problem = build(impl, spec)
-    with artifact(impl, "stage-layouts", problem, spec):
+    with artifact(impl, "stage-layouts", problem, spec, mixes):
         result = impl(problem)
         b, L, H, P, N = (problem.batch, problem.seqlen, problem.nheads, problem.headdim,
                          problem.dstate)
@@ -382,7 +388,8 @@ def test_chunk_size_invariance(impl, mixes, data):
     other = data.draw(st.sampled_from([q for q in sizes if q != spec.chunk_size]), label="Q2")
     problem = build(impl, spec)
     second = build(impl, replace(spec, chunk_size=other))
-    with artifact(impl, "chunk-size-invariance", problem, spec, other_chunk_size=other) as rec:
+    with artifact(impl, "chunk-size-invariance", problem, spec, mixes,
+                  other_chunk_size=other) as rec:
         a, b = impl(problem), impl(second)
         pairs = {"out": (a.out, b.out, problem.x.dtype),
                  "final_states": (a.final_states, b.final_states, torch.float32)}
@@ -399,7 +406,7 @@ def test_split_with_final_state_as_initial_state_equals_unsplit(impl, mixes, dat
     assume(spec.seqlen >= 2)
     t = data.draw(st.integers(1, spec.seqlen - 1), label="split")
     problem = build(impl, spec)
-    with artifact(impl, "split", problem, spec, split=t) as rec:
+    with artifact(impl, "split", problem, spec, mixes, split=t) as rec:
         whole = impl(problem)
         head = impl(sliced(problem, 0, t, problem.initial_states))
         tail = impl(sliced(problem, t, problem.seqlen, head.final_states))
@@ -414,7 +421,7 @@ def test_packed_batch_equals_sequences_one_by_one(impl, mixes, data):
         pytest.skip(f"{impl.name}: {impl.unsupported['packed']}")
     spec = data.draw(scenarios(impl, mixes=mixes, packed=True), label="spec")
     problem = build(impl, spec)
-    with artifact(impl, "packed", problem, spec) as rec:
+    with artifact(impl, "packed", problem, spec, mixes) as rec:
         packed = impl(problem)
         cu = list(spec.cu_seqlens)
         outs, finals = [], []
@@ -445,7 +452,7 @@ def test_causality(impl, mixes, data):
     splice = lambda a, b: None if a is None else torch.cat([a[:, :t], b[:, t:]], dim=1)  # noqa: E731
     changed = problem.with_tensors(**{k: splice(getattr(problem, k), getattr(donor, k))
                                       for k in ("x", "dt", "B", "C", "z")})
-    with artifact(impl, "causality", problem, spec, t=t, other_seed=other_seed) as rec:
+    with artifact(impl, "causality", problem, spec, mixes, t=t, other_seed=other_seed) as rec:
         a, b = impl(problem), impl(changed)
         rec.errors["out_before_t_max_abs_difference"] = float(
             (a.out[:, :t].double() - b.out[:, :t].double()).abs().max())
@@ -483,7 +490,7 @@ def test_homogeneity_in_x(impl, mixes, data):
     x2, h2 = _scaled_exactly(problem.x, k), _scaled_exactly(problem.initial_states, k)
     assume(x2 is not None and (problem.initial_states is None or h2 is not None))
     scaled = problem.with_tensors(x=x2, initial_states=h2)
-    with artifact(impl, "homogeneity", problem, spec, k=k) as rec:
+    with artifact(impl, "homogeneity", problem, spec, mixes, k=k) as rec:
         a, b = impl(problem), impl(scaled)
         terms = problem.chunk_size + problem.dstate + tolerances.APRIORI_FIXED_TERMS
         big = max(1.0, float(problem.C.abs().max()), float((problem.D.abs().max()
@@ -514,7 +521,7 @@ def test_additivity_in_x(impl, mixes, data):
     part1 = problem.with_tensors(x=torch.where(mask, problem.x, 0))
     part2 = problem.with_tensors(x=torch.where(mask, 0, problem.x),
                                  initial_states=zeros(problem.initial_states))
-    with artifact(impl, "additivity", problem, spec, mask_seed=mask_seed) as rec:
+    with artifact(impl, "additivity", problem, spec, mixes, mask_seed=mask_seed) as rec:
         whole, a, b = impl(problem), impl(part1), impl(part2)
         # The parts may be larger than the whole (cancellation): scale by the largest part too.
         largest = lambda *ts: max(float(t.double().abs().max()) for t in ts)  # noqa: E731
@@ -539,7 +546,7 @@ def test_group_broadcast_equals_repeated_B_and_C(impl, mixes, data):
     rep = nheads // ngroups
     repeated = validate(**{**problem.call_kwargs(), "B": problem.B.repeat_interleave(rep, dim=2),
                            "C": problem.C.repeat_interleave(rep, dim=2)})
-    with artifact(impl, "group-broadcast", problem, spec) as rec:
+    with artifact(impl, "group-broadcast", problem, spec, mixes) as rec:
         a, b = impl(problem), impl(repeated)
         assert_related({"out": (a.out, b.out, problem.x.dtype),
                         "final_states": (a.final_states, b.final_states, torch.float32)},
@@ -573,7 +580,7 @@ def test_zero_input_is_pure_decay_of_the_initial_state(impl, mixes, data):
                      label="spec")
     problem = build(impl, spec)
     problem = problem.with_tensors(x=torch.zeros_like(problem.x))
-    with artifact(impl, "pure-decay", problem, spec, x="zeros") as rec:
+    with artifact(impl, "pure-decay", problem, spec, mixes, x="zeros") as rec:
         assert_accurate(impl, problem, impl(problem), pure_decay_exact(problem), rec)
 
 
@@ -587,6 +594,20 @@ def test_signed_errors_see_each_side_of_the_exact_value():
     exact["out"][0, 9, 0, 2] = math.inf      # an entry without a finite exact value: ignored
     high, low = signed_errors(result, exact)["out"]
     assert (high, low) == (1.0, 2.0)
+
+
+def test_each_failing_dtype_mix_of_a_property_keeps_its_own_artifact(tmp_path, monkeypatch):
+    monkeypatch.setenv(repro.FAILURES_ENV, str(tmp_path))
+    impl = get_impl("reference")
+    spec = ProblemSpec(seqlen=8, nheads=2, headdim=4, dstate=4, chunk_size=4)
+    problem = build_problem(spec)
+    for mixes in (None, (DTYPE_MIXES[0],), (DTYPE_MIXES[1],), (DTYPE_MIXES[1],)):
+        with pytest.raises(AssertionError), artifact(impl, "p", problem, spec, mixes):
+            raise AssertionError("failed")
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == [
+        "property-p_reference.json",                        # one item for every mix (ci)
+        "property-p_reference_bf16-bf16-fp32-fp32.json",    # an item per mix (gpu, nightly)
+        "property-p_reference_fp32-fp32-fp32-fp32.json"]
 
 
 def test_regressions_file_is_well_formed():
