@@ -182,10 +182,13 @@ _BATCH_HEAD_INDEX = {"out": (slice(None), None, slice(None), None),
                      "varlen_states": (slice(0, 1), slice(None), None, None)}
 
 
-def apriori_allowed(problem: SSDProblem, exact: dict, compute_dtype: torch.dtype,
-                    stage_dtypes: dict) -> dict[str, torch.Tensor]:
-    """Elementwise allowed |error| per stage for an implementation computing in
-    ``compute_dtype``: u_out |exact| + (1 + u_out) gamma u_compute magnitude + floor.
+def apriori_compute_bound(problem: SSDProblem, exact: dict, compute_dtype: torch.dtype,
+                          stages) -> dict[str, torch.Tensor]:
+    """Elementwise gamma u_compute magnitude for each of ``stages``: what computing in
+    ``compute_dtype`` may cost an implementation of the chunked algorithm, before its output is
+    rounded (``apriori_allowed``). magnitude: the stage from the sums of its terms' absolute
+    values, so cancellation costs nothing here that it did not cost the terms. ``exact`` needs
+    dt and log2_decay_cumsum only (``exact_cumsum_stages``).
 
     gamma = ``tolerances.apriori_gamma`` plus the decay exponents' share: a weight
     2^(S_i - S_j) is computed from two cumsums S of up to Q terms of one sign, each off by up to
@@ -208,19 +211,29 @@ def apriori_allowed(problem: SSDProblem, exact: dict, compute_dtype: torch.dtype
     largest_exponent = exact["log2_decay_cumsum"][..., -1].abs().amax(dim=-1)     # (b, H)
     gamma = (tolerances.apriori_gamma(problem.chunk_size, problem.nchunks, problem.dstate)
              + 2 * math.log(2) * cumsum_terms * largest_exponent)
-    allowed = {}
-    for stage, dtype in stage_dtypes.items():
-        u_out = tolerances.unit_roundoff(dtype)
-        floor = tolerances.tolerance(stage, dtype).floor
+    bound = {}
+    for stage in stages:
         if stage == "dt":
             g = torch.tensor(float(tolerances.APRIORI_FIXED_TERMS), dtype=torch.float64)
         elif stage == "log2_decay_cumsum":
             g = torch.tensor(float(cumsum_terms), dtype=torch.float64)
         else:
             g = gamma[_BATCH_HEAD_INDEX[stage]]
+        bound[stage] = g.to(magnitude[stage].device) * u_c * magnitude[stage]
+    return bound
+
+
+def apriori_allowed(problem: SSDProblem, exact: dict, compute_dtype: torch.dtype,
+                    stage_dtypes: dict) -> dict[str, torch.Tensor]:
+    """Elementwise allowed |error| per stage for an implementation computing in
+    ``compute_dtype``: u_out |exact| + (1 + u_out) ``apriori_compute_bound`` + floor."""
+    bound = apriori_compute_bound(problem, exact, compute_dtype, stage_dtypes)
+    allowed = {}
+    for stage, dtype in stage_dtypes.items():
+        u_out = tolerances.unit_roundoff(dtype)
+        floor = tolerances.tolerance(stage, dtype).floor
         e = exact[stage]
-        allowed[stage] = (u_out * e.abs() + (1 + u_out) * g.to(e.device) * u_c
-                          * magnitude[stage].to(e.device) + floor)
+        allowed[stage] = u_out * e.abs() + (1 + u_out) * bound[stage].to(e.device) + floor
     return allowed
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import assume, event, given, settings, target
+from hypothesis import assume, currently_in_test_context, event, given, settings, target
 from hypothesis import strategies as st
 
 from kernels.contract import validate
@@ -342,27 +342,62 @@ def test_mpmath_spot_checks_the_float64_tier(data):
 
 # ---- metamorphic relations -------------------------------------------------------------------
 
-def _related(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
+def _related(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, slack: float,
              scale: float = 0.0) -> tuple[float, float]:
     """(max |a - b|, allowed): non-finite entries must match exactly (inf == inf; a NaN never
-    matches); finite ones within relation_tolerance of the largest of |a|, |b| and ``scale``."""
+    matches); finite ones within relation_tolerance of the largest of |a|, |b| and ``scale``,
+    plus ``slack``."""
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     finite = torch.isfinite(a) & torch.isfinite(b)
     if bool((~finite & (a != b)).any()) or bool(torch.isnan(a).any() | torch.isnan(b).any()):
         return math.inf, 0.0
     diff = (a - b)[finite].abs()
     scale = max([scale] + [float(t[finite].abs().max()) for t in (a, b) if bool(finite.any())])
-    return (float(diff.max()) if diff.numel() else 0.0), tolerances.relation_tolerance(dtype, scale)
+    return ((float(diff.max()) if diff.numel() else 0.0),
+            tolerances.relation_tolerance(dtype, scale) + slack)
 
 
-def assert_related(pairs: dict, rec, relation: str) -> None:
-    """pairs: name -> (a, b, dtype[, scale]). Records and targets difference / allowed; fails
-    past allowed."""
+RELATED_STAGES = ("out", "final_states", "varlen_states")
+
+
+def compute_slack(impl, *sides) -> dict[str, float]:
+    """Per stage, what computing may cost the runs of a relation (``check.apriori_compute_bound``
+    in the implementation's compute dtype, float32 where it has none of its own), summed over its
+    sides. A side is a problem, or a list of the problems whose runs are joined into one (a split's
+    head and tail, a packed batch's sequences one by one: the largest of theirs counts, and their
+    final states stand for varlen states). Ulps of the largest output alone did not cover this
+    where terms cancel or decays are strong: a nightly run of the float32 reference on the CPU
+    (2026-12-04) broke chunk-size invariance in final states of ~5e-33 made of terms of ~2e-31
+    (fp32_subnormal) and packed == one by one where dt ~ 20 made terms of ~20 for a state of 0.5
+    (softplus_edge) or decays took exponents of ~1000 (strong_decay), all at ~100 float32 ulps of
+    the output and a few of the terms."""
+    dtype = impl.compute_dtype or torch.float32
+    total = dict.fromkeys(RELATED_STAGES, 0.0)
+    for side in sides:
+        worst = dict.fromkeys(RELATED_STAGES, 0.0)
+        for problem in (side if isinstance(side, list) else [side]):
+            packed = problem.cu_seqlens is not None
+            if packed:
+                problem = replace(problem, return_varlen_states=True)
+            stages = RELATED_STAGES if packed else RELATED_STAGES[:2]
+            bound = check.apriori_compute_bound(problem, check.exact_cumsum_stages(problem), dtype,
+                                                stages)
+            for stage, b in bound.items():
+                worst[stage] = max(worst[stage], float(b.max()) if b.numel() else 0.0)
+        worst["varlen_states"] = max(worst["varlen_states"], worst["final_states"])
+        for stage in RELATED_STAGES:
+            total[stage] += worst[stage]
+    return total
+
+
+def assert_related(pairs: dict, slack: dict, rec, relation: str) -> None:
+    """pairs: name -> (a, b, dtype[, scale]); slack: name -> ``compute_slack``'s. Records and
+    targets difference / allowed; fails past allowed."""
     bad = []
     for name, (a, b, dtype, *scale) in pairs.items():
-        diff, allowed = _related(a, b, dtype, *scale)
+        diff, allowed = _related(a, b, dtype, slack[name], *scale)
         rec.errors[name] = {"max_abs_difference": diff, "allowed": allowed}
-        if math.isfinite(diff):
+        if math.isfinite(diff) and currently_in_test_context():     # not in the pinned draws
             target(diff / allowed, label=f"{relation}:{name}")
         if not diff <= allowed:
             bad.append(f"{name}: max |difference| {diff:.3e} > allowed {allowed:.3e}")
@@ -390,12 +425,39 @@ def test_chunk_size_invariance(impl, mixes, data):
     second = build(impl, replace(spec, chunk_size=other))
     with artifact(impl, "chunk-size-invariance", problem, spec, mixes,
                   other_chunk_size=other) as rec:
-        a, b = impl(problem), impl(second)
-        pairs = {"out": (a.out, b.out, problem.x.dtype),
-                 "final_states": (a.final_states, b.final_states, torch.float32)}
-        if a.varlen_states is not None:
-            pairs["varlen_states"] = (a.varlen_states, b.varlen_states, torch.float32)
-        assert_related(pairs, rec, "chunk-size invariance")
+        check_chunk_size_invariance(impl, problem, second, rec)
+
+
+def check_chunk_size_invariance(impl, problem, second, rec) -> None:
+    """``problem`` and ``second`` (it at another chunk size) give the same results."""
+    a, b = impl(problem), impl(second)
+    pairs = {"out": (a.out, b.out, problem.x.dtype),
+             "final_states": (a.final_states, b.final_states, torch.float32)}
+    if a.varlen_states is not None:
+        pairs["varlen_states"] = (a.varlen_states, b.varlen_states, torch.float32)
+    assert_related(pairs, compute_slack(impl, problem, second), rec, "chunk-size invariance")
+
+
+@pytest.mark.parametrize("bug, regime", [
+    ("tests.broken_stages:exclusive_decay_cumsum", "strong_decay"),
+    ("tests.broken_stages:exclusive_decay_cumsum", "fp32_subnormal"),
+    ("tests.broken_stages:causal_mask_off_by_one", "mamba2_init"),
+    ("tests.broken_stages:causal_mask_off_by_one", "softplus_edge"),
+    ("tests.broken_impls:drop_last_partial_chunk", "large_initial_state")])
+def test_chunk_size_invariance_still_catches_structural_bugs_where_its_slack_is_large(bug, regime):
+    """Each run of a relation is allowed its a-priori compute error (``compute_slack``), which
+    grows where terms cancel and decays are strong; a bug of the algorithm's structure stays more
+    than ten times past it there."""
+    impl = get_impl(bug)
+    spec = ProblemSpec(batch=1, seqlen=40, nheads=2, headdim=4, dstate=8, chunk_size=16,
+                       regime=regime, initial_states=True, dt_bias=regime == "softplus_edge")
+    problem, second = build_problem(spec), build_problem(replace(spec, chunk_size=8))
+    a, b = impl(problem), impl(second)
+    slack = compute_slack(impl, problem, second)
+    worst = max(diff / allowed for diff, allowed in (
+        _related(a.out, b.out, torch.float32, slack["out"]),
+        _related(a.final_states, b.final_states, torch.float32, slack["final_states"])))
+    assert worst > 10, worst
 
 
 @given(data=st.data())
@@ -408,11 +470,14 @@ def test_split_with_final_state_as_initial_state_equals_unsplit(impl, mixes, dat
     problem = build(impl, spec)
     with artifact(impl, "split", problem, spec, mixes, split=t) as rec:
         whole = impl(problem)
-        head = impl(sliced(problem, 0, t, problem.initial_states))
-        tail = impl(sliced(problem, t, problem.seqlen, head.final_states))
+        head_problem = sliced(problem, 0, t, problem.initial_states)
+        head = impl(head_problem)
+        tail_problem = sliced(problem, t, problem.seqlen, head.final_states)
+        tail = impl(tail_problem)
         assert_related({"out": (torch.cat([head.out, tail.out], dim=1), whole.out, problem.x.dtype),
                         "final_states": (tail.final_states, whole.final_states, torch.float32)},
-                       rec, "split == unsplit")
+                       compute_slack(impl, problem, [head_problem, tail_problem]), rec,
+                       "split == unsplit")
 
 
 @given(data=st.data())
@@ -422,21 +487,63 @@ def test_packed_batch_equals_sequences_one_by_one(impl, mixes, data):
     spec = data.draw(scenarios(impl, mixes=mixes, packed=True), label="spec")
     problem = build(impl, spec)
     with artifact(impl, "packed", problem, spec, mixes) as rec:
-        packed = impl(problem)
-        cu = list(spec.cu_seqlens)
-        outs, finals = [], []
-        for i, (s, e) in enumerate(zip(cu, cu[1:])):
-            init = problem.initial_states
-            if init is not None:
-                init = init[i:i + 1] if spec.per_sequence_initial_states else (init if i == 0 else None)
-            alone = impl(sliced(problem, s, e, init))
-            outs.append(alone.out)
-            finals.append(alone.final_states)
-        pairs = {"out": (packed.out, torch.cat(outs, dim=1), problem.x.dtype),
-                 "final_states": (packed.final_states, finals[-1], torch.float32)}
-        if packed.varlen_states is not None:
-            pairs["varlen_states"] = (packed.varlen_states, torch.cat(finals), torch.float32)
-        assert_related(pairs, rec, "packed == one by one")
+        check_packed_equals_one_by_one(impl, problem, rec)
+
+
+def check_packed_equals_one_by_one(impl, problem, rec) -> None:
+    """A packed batch (cu_seqlens) gives what its sequences give run one by one."""
+    packed = impl(problem)
+    cu = problem.cu_seqlens.tolist()
+    outs, finals, sequences = [], [], []
+    for i, (s, e) in enumerate(zip(cu, cu[1:])):
+        init = problem.initial_states
+        if init is not None:
+            init = (init[i:i + 1] if problem.per_sequence_initial_states
+                    else (init if i == 0 else None))
+        sequences.append(sliced(problem, s, e, init))
+        alone = impl(sequences[-1])
+        outs.append(alone.out)
+        finals.append(alone.final_states)
+    pairs = {"out": (packed.out, torch.cat(outs, dim=1), problem.x.dtype),
+             "final_states": (packed.final_states, finals[-1], torch.float32)}
+    if packed.varlen_states is not None:
+        pairs["varlen_states"] = (packed.varlen_states, torch.cat(finals), torch.float32)
+    assert_related(pairs, compute_slack(impl, problem, sequences), rec, "packed == one by one")
+
+
+# Draws of the nightly profile (the float32 reference on the CPU, 2026-12-04) whose two sides
+# differed by ~100 float32 ulps of the output and a few of its terms, which ulps of the output
+# alone refused (``compute_slack``): (relation, recipe, the other chunk size).
+_NIGHTLY = dict(batch=1, nheads=1, ngroups=1, state_dtype="fp32", pass_seq_idx=False)
+RELATION_DRAWS = (
+    ("chunk-size", ProblemSpec(**_NIGHTLY, seqlen=31, headdim=1, dstate=1, chunk_size=16,
+                               regime="fp32_subnormal", seed=0, x_dtype="fp32", bc_dtype="bf16",
+                               param_dtype="bf16"), 1),
+    ("packed", ProblemSpec(**_NIGHTLY, seqlen=31, headdim=2, dstate=3, chunk_size=16,
+                           regime="strong_decay", seed=488, x_dtype="bf16", bc_dtype="fp32",
+                           param_dtype="fp32", cu_seqlens=(0, 2, 31)), None),
+    ("packed", ProblemSpec(**_NIGHTLY, seqlen=31, headdim=2, dstate=3, chunk_size=16,
+                           regime="strong_decay", seed=488, x_dtype="fp32", bc_dtype="fp32",
+                           param_dtype="fp32", cu_seqlens=(0, 2, 31)), None),
+    ("packed", ProblemSpec(**_NIGHTLY, seqlen=63, headdim=1, dstate=1, chunk_size=64,
+                           regime="softplus_edge", seed=1, x_dtype="fp32", bc_dtype="bf16",
+                           param_dtype="bf16", dt_bias=True, cu_seqlens=(0, 3, 63)), None))
+
+
+@pytest.mark.parametrize("relation, spec, other", RELATION_DRAWS,
+                         ids=[f"{r}-{s.regime}-{s.x_dtype}" for r, s, _ in RELATION_DRAWS])
+def test_relations_at_the_draws_the_nightly_profile_found(impl, relation, spec, other):
+    problem = build_problem(spec, impl.device or "cpu")
+    second = None if other is None else build_problem(replace(spec, chunk_size=other),
+                                                       impl.device or "cpu")
+    reason = next(filter(None, (impl.why_unsupported(p) for p in (problem, second) if p)), None)
+    if reason:
+        pytest.skip(reason)
+    with artifact(impl, f"nightly-{relation}", problem, spec, other_chunk_size=other) as rec:
+        if relation == "chunk-size":
+            check_chunk_size_invariance(impl, problem, second, rec)
+        else:
+            check_packed_equals_one_by_one(impl, problem, rec)
 
 
 @given(data=st.data())
@@ -530,7 +637,7 @@ def test_additivity_in_x(impl, mixes, data):
                     largest(a.out, b.out)),
             "final_states": (whole.final_states, a.final_states.double() + b.final_states.double(),
                              torch.float32, largest(a.final_states, b.final_states))},
-            rec, "additivity")
+            compute_slack(impl, problem, part1, part2), rec, "additivity")
 
 
 GROUPINGS = ((1, 1), (2, 1), (4, 1), (4, 2), (6, 2), (6, 3), (8, 2), (8, 4))
@@ -550,7 +657,7 @@ def test_group_broadcast_equals_repeated_B_and_C(impl, mixes, data):
         a, b = impl(problem), impl(repeated)
         assert_related({"out": (a.out, b.out, problem.x.dtype),
                         "final_states": (a.final_states, b.final_states, torch.float32)},
-                       rec, "group broadcast == repeated")
+                       compute_slack(impl, problem, repeated), rec, "group broadcast == repeated")
 
 
 def pure_decay_exact(problem) -> dict:
