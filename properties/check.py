@@ -237,6 +237,38 @@ def apriori_allowed(problem: SSDProblem, exact: dict, compute_dtype: torch.dtype
     return allowed
 
 
+RELATED_STAGES = ("out", "final_states", "varlen_states")
+
+
+def relation_slack(compute_dtype: torch.dtype, *sides) -> dict[str, float]:
+    """Per stage of RELATED_STAGES, what computing in ``compute_dtype`` may cost the runs of a
+    relation between runs whose exact answers agree (``apriori_compute_bound``, its largest
+    element), summed over the relation's sides; ``tolerances.relation_tolerance`` adds it. A side
+    is a problem, or a list of the problems whose runs are joined into one (a split's head and
+    tail, a packed batch's sequences one by one: the largest of theirs counts, and their final
+    states stand for varlen states). Ulps of the largest output alone did not cover this where
+    terms cancel or decays are strong: a nightly run of the float32 reference on the CPU
+    (2026-12-04) broke chunk-size invariance in final states of ~5e-33 made of terms of ~2e-31
+    (fp32_subnormal), and packed == one by one where dt ~ 20 made terms of ~20 for a state of 0.5
+    (softplus_edge) or decays took exponents of ~1000 (strong_decay), all at ~100 float32 ulps of
+    the output and a few of the terms."""
+    total = dict.fromkeys(RELATED_STAGES, 0.0)
+    for side in sides:
+        worst = dict.fromkeys(RELATED_STAGES, 0.0)
+        for problem in (side if isinstance(side, list) else [side]):
+            packed = problem.cu_seqlens is not None
+            if packed:
+                problem = replace(problem, return_varlen_states=True)
+            bound = apriori_compute_bound(problem, exact_cumsum_stages(problem), compute_dtype,
+                                          RELATED_STAGES if packed else RELATED_STAGES[:2])
+            for stage, b in bound.items():
+                worst[stage] = max(worst[stage], float(b.max()) if b.numel() else 0.0)
+        worst["varlen_states"] = max(worst["varlen_states"], worst["final_states"])
+        for stage in RELATED_STAGES:
+            total[stage] += worst[stage]
+    return total
+
+
 def apriori_verdicts(problem: SSDProblem, result: SSDResult, exact: dict,
                      compute_dtype: torch.dtype) -> list[StageVerdict]:
     """Per stage, the element closest to (or furthest past) its a-priori bound: its error and its

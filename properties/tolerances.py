@@ -133,14 +133,14 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 # Relations between two runs of one implementation whose exact answers agree (chunk sizes, splits,
 # packing, group broadcast, additivity): |a - b| <= RELATION_ULPS * eps(dtype) * max|a| + floor,
-# plus each run's a-priori compute error (tests/test_properties.py, ``compute_slack``). Each side's
+# plus each run's a-priori compute error (``properties.check.relation_slack``). Each side's
 # error is its rounding of the output (<= 1/2 ulp) plus its compute error; scaled by the largest
 # output it covers 1 ulp of rounding disagreement and leaves 2 ulp per side for compute in
 # float32 (fp16/bf16 outputs: compute error is far below their ulp). For fp32 outputs the compute
 # error of sums over a chunk and over the chunks is a few fp32 ulp of the largest term, so 64 ulp
 # of the largest output, 2^-17 relative, far below a structural error's O(1); where terms cancel
 # to an output far below them, or strong decays take exponents far from 0, the compute error is
-# the a-priori bound's (``properties.check.apriori_compute_bound``), which the slack adds.
+# the a-priori bound's (``properties.check.apriori_compute_bound``), which that slack adds.
 RELATION_ULPS = {torch.float32: 64.0, torch.bfloat16: 4.0, torch.float16: 4.0,
                  torch.float64: 64.0}
 

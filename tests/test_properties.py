@@ -357,37 +357,10 @@ def _related(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, slack: float,
             tolerances.relation_tolerance(dtype, scale) + slack)
 
 
-RELATED_STAGES = ("out", "final_states", "varlen_states")
-
-
 def compute_slack(impl, *sides) -> dict[str, float]:
-    """Per stage, what computing may cost the runs of a relation (``check.apriori_compute_bound``
-    in the implementation's compute dtype, float32 where it has none of its own), summed over its
-    sides. A side is a problem, or a list of the problems whose runs are joined into one (a split's
-    head and tail, a packed batch's sequences one by one: the largest of theirs counts, and their
-    final states stand for varlen states). Ulps of the largest output alone did not cover this
-    where terms cancel or decays are strong: a nightly run of the float32 reference on the CPU
-    (2026-12-04) broke chunk-size invariance in final states of ~5e-33 made of terms of ~2e-31
-    (fp32_subnormal) and packed == one by one where dt ~ 20 made terms of ~20 for a state of 0.5
-    (softplus_edge) or decays took exponents of ~1000 (strong_decay), all at ~100 float32 ulps of
-    the output and a few of the terms."""
-    dtype = impl.compute_dtype or torch.float32
-    total = dict.fromkeys(RELATED_STAGES, 0.0)
-    for side in sides:
-        worst = dict.fromkeys(RELATED_STAGES, 0.0)
-        for problem in (side if isinstance(side, list) else [side]):
-            packed = problem.cu_seqlens is not None
-            if packed:
-                problem = replace(problem, return_varlen_states=True)
-            stages = RELATED_STAGES if packed else RELATED_STAGES[:2]
-            bound = check.apriori_compute_bound(problem, check.exact_cumsum_stages(problem), dtype,
-                                                stages)
-            for stage, b in bound.items():
-                worst[stage] = max(worst[stage], float(b.max()) if b.numel() else 0.0)
-        worst["varlen_states"] = max(worst["varlen_states"], worst["final_states"])
-        for stage in RELATED_STAGES:
-            total[stage] += worst[stage]
-    return total
+    """``check.relation_slack`` in the implementation's compute dtype, float32 where it has none
+    of its own (the kernels' float32-grade modes)."""
+    return check.relation_slack(impl.compute_dtype or torch.float32, *sides)
 
 
 def assert_related(pairs: dict, slack: dict, rec, relation: str) -> None:
@@ -445,9 +418,9 @@ def check_chunk_size_invariance(impl, problem, second, rec) -> None:
     ("tests.broken_stages:causal_mask_off_by_one", "softplus_edge"),
     ("tests.broken_impls:drop_last_partial_chunk", "large_initial_state")])
 def test_chunk_size_invariance_still_catches_structural_bugs_where_its_slack_is_large(bug, regime):
-    """Each run of a relation is allowed its a-priori compute error (``compute_slack``), which
-    grows where terms cancel and decays are strong; a bug of the algorithm's structure stays more
-    than ten times past it there."""
+    """Each run of a relation is allowed its a-priori compute error (``check.relation_slack``),
+    which grows where terms cancel and decays are strong; a bug of the algorithm's structure stays
+    more than ten times past it there."""
     impl = get_impl(bug)
     spec = ProblemSpec(batch=1, seqlen=40, nheads=2, headdim=4, dstate=8, chunk_size=16,
                        regime=regime, initial_states=True, dt_bias=regime == "softplus_edge")
@@ -513,7 +486,7 @@ def check_packed_equals_one_by_one(impl, problem, rec) -> None:
 
 # Draws of the nightly profile (the float32 reference on the CPU, 2026-12-04) whose two sides
 # differed by ~100 float32 ulps of the output and a few of its terms, which ulps of the output
-# alone refused (``compute_slack``): (relation, recipe, the other chunk size).
+# alone refused (``check.relation_slack``): (relation, recipe, the other chunk size).
 _NIGHTLY = dict(batch=1, nheads=1, ngroups=1, state_dtype="fp32", pass_seq_idx=False)
 RELATION_DRAWS = (
     ("chunk-size", ProblemSpec(**_NIGHTLY, seqlen=31, headdim=1, dstate=1, chunk_size=16,
