@@ -488,6 +488,12 @@ class Plan:
     def configs(self):
         return tuple(cfg for _, cfg in self.named_configs())
 
+    def with_knobs(self, knobs: dict) -> "Plan":
+        """This plan with ``knobs`` ({plan field: {config field: value}}) overriding what the
+        dispatcher picked (kernels/variants.py's covering recipes, ``mamba2-cutile ab``'s arms)."""
+        return replace(self, **{field_name: replace(getattr(self, field_name), **changes)
+                                for field_name, changes in knobs.items()})
+
 
 def resolve_precision(precision: Optional[str], x_dtype: torch.dtype) -> str:
     """The mode of the output's matmuls (module docstring)."""

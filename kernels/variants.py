@@ -362,9 +362,8 @@ def covering_variants(capability: int = REFERENCE_CAPABILITY) -> list[Variant]:
     ``kernels.ssd.walk_max_dstate`` does), in first-seen order."""
     found: dict[tuple, Variant] = {}
     for recipe, key, state_dtype, precision, *knobs in COVERING_KEYS:
-        plan = make_plan(key, state_dtype, precision, capability=capability)
-        for field_name, changes in (knobs[0] if knobs else {}).items():
-            plan = replace(plan, **{field_name: replace(getattr(plan, field_name), **changes)})
+        plan = make_plan(key, state_dtype, precision,
+                         capability=capability).with_knobs(knobs[0] if knobs else {})
         for kernel, cfg, signature in launch_signatures(key, plan):
             ident = (kernel, cfg, repr(signature.parameters))
             if ident in found:

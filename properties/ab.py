@@ -14,9 +14,9 @@ naming a kernel the plan does not run is recorded as not applicable), all on the
 After a first call of each (compiling it) and a warm-up round, ``--rounds`` rounds time
 ``--reps`` calls of each in turn, each call after an L2 flush between CUDA events
 (``properties.bench.CudaTimer``); the order rotates each round, so no arm always follows the
-same one. Recorded per arm: the median, its
-ratio to the dispatched plan's, whether out and final states equal the dispatched plan's bit for
-bit, the largest difference, and out's error against the float64 reference (as the bench's rows).
+same one. Recorded per arm: the median, its ratio to the dispatched plan's, whether out and
+final states equal the dispatched plan's bit for bit, the largest difference, and out's error
+against the float64 reference (as the bench's rows).
 
 ``--compile sm_90`` (any target tileiras knows) needs no GPU: it compiles each case's kernels as
 the dispatcher plans them for that target on the H200's SM count, and each arm's, as their
@@ -180,13 +180,11 @@ def apply_arm(plan, arm: Arm):
     """``plan`` with the arm's changes, or a str saying why the arm does not apply to it: it
     changes a config the plan holds but does not launch (the walk's plan keeps compute_out's)."""
     launched = plan.configs()
-    for stage, fields in arm.changes.items():
-        config = getattr(plan, stage)
-        if not any(config is cfg for cfg in launched):
+    for stage in arm.changes:
+        if not any(getattr(plan, stage) is cfg for cfg in launched):
             return (f"the plan does not launch its {stage} (it launches "
                     f"{', '.join(name for name, _ in plan.named_configs())})")
-        plan = dataclasses.replace(plan, **{stage: dataclasses.replace(config, **fields)})
-    return plan
+    return plan.with_knobs(arm.changes)
 
 
 def interleaved_times(calls: dict[str, Callable[[], Any]], rounds: int, reps: int,
