@@ -1306,6 +1306,8 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     signature outside capture (which compiles its kernels); under capture A's values are not read
     back, a head with A > 0 makes its outputs NaN, and seq_idx and cu_seqlens are refused
     (kernels.contract, 'Decay').
+    Forward only: where grad mode is on and an input requires grad, the outputs carry a backward
+    that raises (``NoBackward``), so no gradient goes silently missing.
     """
     problem = validate(x, dt, A, B, C, DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,
                        D=D, z=z, dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
@@ -1314,18 +1316,29 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
                        return_varlen_states=return_varlen_states,
                        supported_chunk_sizes=SUPPORTED_CHUNK_SIZES,
                        implementation="the cuTile kernels", defer_decay_check=True)
-    prepared_key = _prepared_key(problem, chunk_size is None, state_dtype, precision)
+    graded = NoBackward.inputs_requiring_grad(problem)
+    if graded:
+        launch = functools.partial(_launch_validated, problem, chunk_size is None, state_dtype,
+                                   precision)
+        return NoBackward.apply(launch, tuple(graded), *graded.values())
+    return _launch_validated(problem, chunk_size is None, state_dtype, precision)
+
+
+def _launch_validated(problem: SSDProblem, chunk_picked: bool, state_dtype, precision):
+    """ssd_forward's outputs for a validated call (its chunk size picked here if ``chunk_picked``,
+    planned once per signature)."""
+    prepared_key = _prepared_key(problem, chunk_picked, state_dtype, precision)
     try:
         prepared = _PREPARED.get(prepared_key) if prepared_key is not None else None
     except TypeError:     # an unhashable option: the unmemoized path says what is wrong with it
         prepared_key = prepared = None
     if prepared is None:
-        if chunk_size is None:
-            picked = default_chunk_size(problem, precision, return_varlen_states)
+        if chunk_picked:
+            picked = default_chunk_size(problem, precision, problem.return_varlen_states)
             if picked != problem.chunk_size:
                 problem = replace(problem, chunk_size=picked)
         pipeline = stage_pipeline(problem, state_dtype=state_dtype, precision=precision,
-                                  varlen=return_varlen_states)
+                                  varlen=problem.return_varlen_states)
         if prepared_key is not None:
             if len(_PREPARED) >= PREPARED_MAX:
                 _PREPARED.clear()
@@ -1340,6 +1353,37 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     # The kernels are queued; the A <= 0 verdict decides whether their outputs are returned.
     problem.confirm_decay()
     return pack_outputs(problem, result.out, result.final_states, result.varlen_states)
+
+
+class NoBackward(torch.autograd.Function):
+    """ssd_forward's outputs as autograd sees them where grad mode is on and an input requires
+    grad. The kernels have no backward pass: outputs without a grad_fn would leave those inputs'
+    gradients silently missing (x's, say, while the rest of a model still trains), so a
+    backward that reaches these raises, naming the inputs. The forward is the plain call's."""
+
+    DIFFERENTIABLE = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+    @staticmethod
+    def inputs_requiring_grad(problem: SSDProblem) -> dict:
+        """name -> tensor, the call's inputs that require grad (none where grad mode is off)."""
+        if not torch.is_grad_enabled():
+            return {}
+        return {name: t for name in NoBackward.DIFFERENTIABLE
+                if (t := getattr(problem, name)) is not None and t.requires_grad}
+
+    @staticmethod
+    def forward(ctx, launch, names, *inputs):
+        ctx.names = names
+        return launch()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"ssd_forward: expected no backward through its outputs (the cuTile kernels are "
+            f"forward-only), got one for {', '.join(ctx.names)}, which require grad. Call it "
+            f"under torch.no_grad() or torch.inference_mode() for inference; to train, take the "
+            f"gradients from an implementation with a backward (mamba_ssm's "
+            f"mamba_chunk_scan_combined)")
 
 
 # ssd_forward's chunk size and plan by the call's signature (kernels.contract.call_signature:

@@ -1,4 +1,5 @@
-"""Every validation error of kernels/contract.py, the valid calls it accepts, and pack_outputs.
+"""Every validation error of kernels/contract.py, the valid calls it accepts, pack_outputs, and
+ssd_forward's outputs where an input requires grad (the kernels have no backward).
 
 Each refusal must be an SSDInputError whose message is "<argument>: expected <what>, got <given>";
 the tests check the argument, the expectation and the given value (the 'meta' device stands in for
@@ -356,3 +357,44 @@ def test_calls_whose_validation_reads_values_are_never_signed():
     # An option that is not a plain value leaves the call unsigned, not refused.
     assert validate(**{**D, "dt_limit": (torch.tensor(0.0), 1.0)}).signature is None
     assert validate(**D).with_tensors(x=D["x"].double()).signature is None
+
+
+@pytest.mark.parametrize("graded", [("x",), ("A", "D", "dt_bias", "initial_states")])
+def test_a_backward_through_ssd_forward_raises_naming_the_inputs_that_require_grad(monkeypatch,
+                                                                                  graded):
+    """The kernels have no backward. Where grad mode is on and an input requires grad, every
+    output of ssd_forward carries a backward that raises naming those inputs: without it their
+    gradients would be silently missing while the rest of a model trains. Under no_grad, or with
+    no such input, the outputs carry none, and the same kernels launch in all three calls. CPU
+    tensors, launches recorded (kernels.variants.recorded_launches)."""
+    from kernels import ssd
+    from kernels.variants import recorded_launches
+    monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
+    monkeypatch.setattr(ssd, "_PREPARED", {})
+    call = build_problem(ProblemSpec(batch=2, seqlen=100, nheads=4, headdim=16, dstate=32,
+                                     ngroups=2, chunk_size=64, D="channel", dt_bias=True,
+                                     dt_softplus=True, initial_states=True,
+                                     return_final_states=True)).call_kwargs()
+    with_grad = {**call, **{name: call[name].detach().clone().requires_grad_()
+                            for name in graded}}
+
+    def run(kwargs):
+        with recorded_launches() as launched:
+            outs = ssd.ssd_forward(**kwargs)
+        return outs, [(grid, kernel) for grid, kernel, _ in launched]
+
+    (out, states), launched = run(with_grad)
+    assert out.requires_grad and states.requires_grad
+    for output in (out, states):
+        with pytest.raises(NotImplementedError) as info:
+            output.float().sum().backward()
+        assert str(info.value).startswith(
+            f"ssd_forward: expected no backward through its outputs (the cuTile kernels are "
+            f"forward-only), got one for {', '.join(graded)}, which require grad")
+    assert all(with_grad[name].grad is None for name in graded)
+    with torch.no_grad():
+        (out_no_grad, states_no_grad), launched_no_grad = run(with_grad)
+    (out_plain, states_plain), launched_plain = run(call)
+    for output in (out_no_grad, states_no_grad, out_plain, states_plain):
+        assert output.grad_fn is None and not output.requires_grad
+    assert launched == launched_no_grad == launched_plain and launched

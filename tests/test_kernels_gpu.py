@@ -261,6 +261,26 @@ def test_growing_decay_on_the_gpu_raises_after_the_deferred_check():
         ssd_forward(p.x, p.dt, A, p.B, p.C, 64)
 
 
+@pytest.mark.gpu
+@requires_gpu
+def test_inputs_requiring_grad_get_the_same_outputs_and_a_backward_that_raises():
+    """A model's parameters (A, D, dt_bias) and activations (x) that require grad, grad mode on:
+    out and final states equal the no-grad call's bit for bit, and a backward through them
+    raises naming those inputs (ssd_forward has none; kernels.ssd.NoBackward)."""
+    p = build_problem(ProblemSpec(batch=2, seqlen=300, nheads=8, headdim=32, dstate=16,
+                                  D="head", dt_bias=True, dt_softplus=True,
+                                  return_final_states=True), "cuda")
+    kwargs = {**p.call_kwargs(), "chunk_size": None}
+    with torch.no_grad():
+        expected = ssd_forward(**kwargs)
+    graded = ("x", "A", "D", "dt_bias")
+    out, final = ssd_forward(**{**kwargs, **{name: kwargs[name].detach().clone()
+                                             .requires_grad_() for name in graded}})
+    assert torch.equal(out, expected[0]) and torch.equal(final, expected[1])
+    with pytest.raises(NotImplementedError, match="got one for x, A, D, dt_bias, which require"):
+        (out.float().sum() + final.sum()).backward()
+
+
 # The dispatcher's paths: the walk of out paired (256 pairs), the walk split into two segments
 # with final states, chunk 256's state kernels (float32 x, z, D per channel, bias, softplus,
 # initial states).
