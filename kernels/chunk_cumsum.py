@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
+from kernels.device import launch_stream
 from kernels.tile_ops import (LOG2_E, KernelVariant, array_constraint, index_variants,
                               kernel_signature, next_pow2, scalar_constraint, softplus)
 
@@ -129,7 +130,7 @@ def chunk_cumsum(dt: torch.Tensor, A: torch.Tensor, config: ChunkCumsumConfig, d
     dt (b, L, H) CUDA fp32/bf16/fp16 (any strides); A, dt_bias (H,) CUDA, any float dtype.
     config: the variant (``kernels.ssd.make_plan(...).cumsum``): chunk size, which of bias,
     softplus and limit apply, 64-bit indexing; dt_bias and dt_limit give their values.
-    stream: where to launch (default: the current stream).
+    stream: where to launch (default: the current stream of the inputs' device).
     """
     b, L, H = dt.shape
     Q = config.chunk_size
@@ -140,7 +141,7 @@ def chunk_cumsum(dt: torch.Tensor, A: torch.Tensor, config: ChunkCumsumConfig, d
     A32 = A.to(f32)
     bias = A32 if dt_bias is None else dt_bias.to(f32)   # A stands in for an absent bias: never read
     nhb = -(-H // config.head_block)
-    ct.launch(torch.cuda.current_stream() if stream is None else stream, (nchunks, b * nhb),
+    ct.launch(launch_stream(dt, stream), (nchunks, b * nhb),
               config.kernel,
               (dt, A32, bias, dt_out, cumsum, L, nhb, float(dt_limit[0]), float(dt_limit[1]),
                *config.constants()))

@@ -80,6 +80,7 @@ import cuda.tile as ct
 import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
+from kernels.device import launch_stream
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos,
                               index_variants, kernel_signature, latency_hint,
                               load_log2_cumsum, load_transposed, log2_decay_between,
@@ -392,8 +393,8 @@ class OutInputs:
 def compute_out(inp: OutInputs, cfg: ComputeOutConfig, stream=None) -> torch.Tensor:
     """out (b, L, H, P) in x's dtype; see the module docstring. With ``cfg.shared_scores`` the
     stage is two launches: kernels/chunk_scores.py, then this kernel reading its scores. stream:
-    where to launch (default: the current stream)."""
-    stream = torch.cuda.current_stream() if stream is None else stream
+    where to launch (default: the current stream of the inputs' device)."""
+    stream = launch_stream(inp.x, stream)
     b, L, H, P = inp.x.shape
     out = torch.empty(b, L, H, P, device=inp.x.device, dtype=inp.x.dtype)
     nchunks = -(-L // cfg.chunk_size)

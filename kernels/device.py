@@ -72,6 +72,13 @@ def compute_capability(device: torch.device) -> int | None:
     return props and props[1]
 
 
+def launch_stream(t: torch.Tensor, stream=None):
+    """``stream``, else the current stream of t's device, not the current device's: cuTile
+    launches in the stream's context, so with the inputs on another GPU a kernel would read them
+    from there, unordered with the work that wrote them."""
+    return torch.cuda.current_stream(t.device) if stream is None else stream
+
+
 def require_gpu(x: torch.Tensor) -> None:
     """x (and so every input: the contract checks they share its device) must be on a GPU that
     torch can drive, and cuTile must be able to compile."""

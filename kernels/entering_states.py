@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
+from kernels.device import launch_stream
 from kernels.tile_ops import (KernelVariant, array_constraint, exp2_nonpos, index_variants,
                               kernel_signature, placeholder, scalar_constraint)
 
@@ -114,7 +115,7 @@ def segment_entering_states(end_states, log2_decay_cumsum, start_states, segment
     """(b * segments, H, P, N) fp32, the state entering each segment of ``split`` parts of
     ``part_chunks`` chunks; see the module docstring. stream: where to launch (default: the
     current stream)."""
-    stream = torch.cuda.current_stream() if stream is None else stream
+    stream = launch_stream(end_states, stream)
     b, H, nchunks = log2_decay_cumsum.shape[:3]
     P, N = end_states.shape[2:]
     entering = torch.empty(b * segments, H, P, N, device=end_states.device, dtype=torch.float32)

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
+from kernels.device import launch_stream
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, is_16bit,
                               index_variants, kernel_signature, latency_hint, load_log2_cumsum,
                               load_transposed, log2_cumsum_at, log2_decay_between,
@@ -374,7 +375,7 @@ class StateInputs:
 def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: StatePassingConfig,
                    stream=None):
     """(chunk_states, final_states, varlen_states or None); layouts in the module docstring.
-    stream: where to launch (default: the current stream)."""
+    stream: where to launch (default: the current stream of the inputs' device)."""
     b, L, H, P = inp.x.shape
     N = inp.B.shape[3]
     Q = chunk_cfg.chunk_size
@@ -397,7 +398,7 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
     cu = inp.cu_seqlens if inp.cu_seqlens is not None else placeholder_int
     target_ends = ends if ends is not None else placeholder_int
     npb, nnb = -(-P // chunk_cfg.p_block), -(-N // chunk_cfg.n_block)
-    stream = torch.cuda.current_stream() if stream is None else stream
+    stream = launch_stream(inp.x, stream)
     ntiles = ntargets * b * H * npb * nnb
     ct.launch(stream, (chunk_cfg.launch_blocks(ntiles, dev),), chunk_cfg.kernel,
               (inp.x, inp.B, inp.dt, inp.log2_decay_cumsum, inp.A, seq_idx, start, cu, target_ends,

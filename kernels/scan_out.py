@@ -99,6 +99,7 @@ import cuda.tile as ct
 import torch
 
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
+from kernels.device import launch_stream
 from kernels.state_scan import add_state_backward, next_state, step_log2_cumsum
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants,
                               kernel_signature, latency_hint, load_transposed,
@@ -379,11 +380,11 @@ class ScanOutConfig(KernelVariant):
 def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutConfig,
              stream=None, segments: int = 1, segment_steps: int = 0):
     """(out, final_states); see the module docstring. D (H, P) fp32 or None; z, start_states
-    or None. stream: where to launch (default: the current stream). With ``cfg.segmented``, the
-    blocks walk ``segments`` segments of ``segment_steps`` steps from the sequence's start:
-    start_states (b * segments, H, P, N) and final_states likewise, a row per (batch row,
-    segment). Without ``cfg.computes_out``, out is None."""
-    stream = torch.cuda.current_stream() if stream is None else stream
+    or None. stream: where to launch (default: the current stream of the inputs' device). With
+    ``cfg.segmented``, the blocks walk ``segments`` segments of ``segment_steps`` steps from the
+    sequence's start: start_states (b * segments, H, P, N) and final_states likewise, a row per
+    (batch row, segment). Without ``cfg.computes_out``, out is None."""
+    stream = launch_stream(x, stream)
     b, L, H, P = x.shape
     N = B.shape[3]
     dev, f32 = x.device, torch.float32

@@ -144,7 +144,7 @@ from kernels.chunk_cumsum import ChunkCumsumConfig, chunk_cumsum, head_block_for
 from kernels.chunk_scores import ChunkScoresConfig
 from kernels.compute_out import ComputeOutConfig, OutInputs, compute_out
 from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
-from kernels.device import compute_capability, require_gpu, sm_count
+from kernels.device import compute_capability, launch_stream, require_gpu, sm_count
 from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
                                     fwd_pass_state)
 from kernels.entering_states import (ENTERING_P_BLOCK, EnteringStatesConfig,
@@ -1241,7 +1241,7 @@ def launch_stages(pipeline: StagePipeline) -> SSDResult:
     # Looked up once, not per launch: 23 us a lookup under cProfile on the H200's host, of the
     # ~650 us a profiled b1 L512 call took there, which small problems pay in full
     # (reports/h200/experiments/host_profile_cc5b8d4.txt).
-    stream = torch.cuda.current_stream()
+    stream = launch_stream(pipeline.problem.x)
     dt, log2_cumsum = pipeline.cumsum(stream)
     if pipeline.plan.scan_out is not None:
         chunk_states = varlen_states = None

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
+from kernels.device import launch_stream
 from kernels.fwd_pass_state import weights_ride_on_x
 from kernels.tile_ops import (MODE, KernelVariant, array_constraint, exp2_nonpos, index_variants,
                               kernel_signature, load_transposed,
@@ -206,7 +207,7 @@ class StateScanConfig(KernelVariant):
 def state_scan(x, B, dt, log2_decay_cumsum, start_states, cfg: StateScanConfig, stream=None):
     """(chunk_states, final_states, None), as kernels.fwd_pass_state.fwd_pass_state returns them
     for a call without sequence index or varlen states. start_states (b, H, P, N) or None.
-    stream: where to launch (default: the current stream)."""
+    stream: where to launch (default: the current stream of the inputs' device)."""
     b, L, H, P = x.shape
     N = B.shape[3]
     nchunks = -(-L // cfg.chunk_size)
@@ -214,7 +215,7 @@ def state_scan(x, B, dt, log2_decay_cumsum, start_states, cfg: StateScanConfig, 
     final_states = torch.empty(b, H, P, N, device=x.device, dtype=torch.float32)
     npb, nnb = -(-P // cfg.p_block), -(-N // cfg.n_block)
     start = start_states if start_states is not None else placeholder(x.device, torch.float32, 4)
-    ct.launch(torch.cuda.current_stream() if stream is None else stream, (b * H * npb * nnb,),
+    ct.launch(launch_stream(x, stream), (b * H * npb * nnb,),
               cfg.kernel,
               (x, B, dt, log2_decay_cumsum, start, chunk_states, final_states, nchunks, H,
                H // B.shape[2], npb, nnb, *cfg.constants()))

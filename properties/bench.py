@@ -414,6 +414,7 @@ def our_contenders(problem, chunk_size: Optional[int] = None) -> Iterator[Conten
     """ssd_forward at ``chunk_size`` (None: the one it picks for the call, as a call with its
     default settings), then each stage entry on the outputs of the stages before it."""
     from kernels import ssd  # noqa: PLC0415  (on a GPU machine a broken cuTile fails loudly here)
+    from kernels.device import launch_stream  # noqa: PLC0415
 
     problem = dataclasses.replace(problem, chunk_size=chunk_size or ssd.default_chunk_size(problem))
     kwargs = problem.call_kwargs()
@@ -430,10 +431,10 @@ def our_contenders(problem, chunk_size: Optional[int] = None) -> Iterator[Conten
     chunk_states = pipeline.states(dt, log2_cumsum)[0]
     # Each stage as ssd.run_stages launches it, on the stream current when it is called.
     calls = {
-        "chunk_cumsum": lambda: pipeline.cumsum(torch.cuda.current_stream()),
-        "fwd_pass_state": lambda: pipeline.states(dt, log2_cumsum, torch.cuda.current_stream()),
+        "chunk_cumsum": lambda: pipeline.cumsum(launch_stream(problem.x)),
+        "fwd_pass_state": lambda: pipeline.states(dt, log2_cumsum, launch_stream(problem.x)),
         "compute_out": lambda: pipeline.out(dt, log2_cumsum, chunk_states,
-                                            torch.cuda.current_stream()),
+                                            launch_stream(problem.x)),
     }
     states_kernels = [cfg for name, cfg in plan.named_configs()
                       if name in ("chunk_state", "state_passing", "state_scan")]

@@ -606,7 +606,8 @@ def test_stage_rows_call_each_stage_as_ssd_forward_does(monkeypatch, D):
             if hasattr(module, stage):
                 monkeypatch.setattr(module, stage, recorder(stage))
     monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "the current stream")
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: f"the current stream of {device}")
     ssd.run_stages(problem)
     forward = list(calls)
     assert [c[0] for c in forward] == list(bench.STAGES)

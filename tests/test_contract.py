@@ -1,5 +1,6 @@
 """Every validation error of kernels/contract.py, the valid calls it accepts, pack_outputs, and
-ssd_forward's outputs where an input requires grad (the kernels have no backward).
+two things of ssd_forward's calls: outputs where an input requires grad (the kernels have no
+backward), and the stream its kernels launch on.
 
 Each refusal must be an SSDInputError whose message is "<argument>: expected <what>, got <given>";
 the tests check the argument, the expectation and the given value (the 'meta' device stands in for
@@ -398,3 +399,30 @@ def test_a_backward_through_ssd_forward_raises_naming_the_inputs_that_require_gr
     for output in (out_no_grad, states_no_grad, out_plain, states_plain):
         assert output.grad_fn is None and not output.requires_grad
     assert launched == launched_no_grad == launched_plain and launched
+
+
+@pytest.mark.parametrize("spec", [
+    dict(batch=8, seqlen=256, nheads=32, headdim=64, dstate=128, x_dtype="bf16", bc_dtype="bf16"),
+    dict(batch=1, seqlen=16448, nheads=48, headdim=64, dstate=128, x_dtype="bf16",
+         bc_dtype="bf16"),
+    dict(batch=2, seqlen=300, nheads=4, headdim=32, dstate=16, D="channel", z=True,
+         return_final_states=True)], ids=["walk", "split_walk", "state_kernels"])
+def test_every_launch_goes_to_the_current_stream_of_the_inputs_device(monkeypatch, spec):
+    """Not the current device's stream: cuTile launches in the stream's context, so with the
+    inputs on another GPU the kernels would read them from there, unordered with the work that
+    wrote them. Each path of the dispatcher (the walk, split, and chunk 256's state kernels),
+    and a kernel's wrapper called without a stream. CPU tensors, ct.launch and the streams
+    stood in for."""
+    import cuda.tile as ct
+    from kernels import ssd
+    from kernels.chunk_cumsum import chunk_cumsum
+    streams = []
+    monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
+    monkeypatch.setattr(ssd, "_PREPARED", {})
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
+    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: streams.append(stream))
+    call = build_problem(ProblemSpec(chunk_size=64, **spec)).call_kwargs()
+    ssd.ssd_forward(**{**call, "chunk_size": None})
+    plan = ssd.stage_pipeline(build_problem(ProblemSpec(chunk_size=64, **spec))).plan
+    chunk_cumsum(call["dt"], call["A"], plan.cumsum)
+    assert len(streams) >= 3 and set(streams) == {("stream of", call["x"].device)}

@@ -281,6 +281,30 @@ def test_inputs_requiring_grad_get_the_same_outputs_and_a_backward_that_raises()
         (out.float().sum() + final.sum()).backward()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("spec", [
+    dict(batch=4, seqlen=512, nheads=64, headdim=64, dstate=128, x_dtype="bf16", bc_dtype="bf16"),
+    dict(batch=2, seqlen=300, nheads=8, headdim=32, dstate=16, D="channel", z=True,
+         return_final_states=True)], ids=["walk", "state_kernels"])
+def test_inputs_on_a_gpu_that_is_not_the_current_one(spec):
+    """Inputs on cuda:1, cuda:0 current, x rewritten on cuda:1's stream just before the call:
+    the kernels run on cuda:1 after that write (kernels.device.launch_stream), and the outputs
+    equal, bit for bit, the call's with cuda:1 current."""
+    kwargs = {**build_problem(ProblemSpec(chunk_size=64, **spec), "cuda:1").call_kwargs(),
+              "chunk_size": None}
+    with torch.cuda.device(1):
+        expected = ssd_forward(**kwargs)
+    x = kwargs["x"]
+    with torch.cuda.device(0):
+        kwargs["x"] = torch.zeros_like(x)
+        kwargs["x"].copy_(x)
+        got = ssd_forward(**kwargs)
+    got, expected = (got, expected) if isinstance(got, tuple) else ((got,), (expected,))
+    for g, e in zip(got, expected):
+        assert g.device == x.device and torch.equal(g, e)
+
+
 # The dispatcher's paths: the walk of out paired (256 pairs), the walk split into two segments
 # with final states, chunk 256's state kernels (float32 x, z, D per channel, bias, softplus,
 # initial states).
