@@ -43,16 +43,24 @@ ZERO = ct.PaddingMode.ZERO
 # 0.0168 -> 0.0127 at (4, 8192, 32), 0.0478 -> 0.0360 at (1, 65536, 64); 4 and 16 between
 # (reports/h200/experiments/ab_launch_d740c5a.txt).
 MAX_HEAD_BLOCK = 8
+# CUDA's limit on a grid's second dimension. The kernel's grid is (chunks, rows x head blocks);
+# past this many rows x head blocks (a batch of 8,192 rows of 64 heads) it runs on a flat grid
+# (``flat_grid``), one dimension of up to 2^31 - 1 blocks, so that any batch launches. Only
+# there: the flat grid's index arithmetic has not been timed against the two-dimensional one.
+MAX_GRID_Y = 65535
 
 
 def chunk_cumsum_kernel(dt, A, dt_bias, dt_out, log2_decay_cumsum, seqlen, nhead_blocks,
                         dt_min: float, dt_max: float,
                         CHUNK: ct.Constant[int], HEAD_BLOCK: ct.Constant[int],
                         HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
-                        HAS_LIMIT: ct.Constant[bool]):
-    chunk = ct.bid(0)
-    batch = ct.bid(1) // nhead_blocks
-    head_block = ct.bid(1) % nhead_blocks
+                        HAS_LIMIT: ct.Constant[bool], FLAT_GRID: ct.Constant[bool]):
+    chunk, row_block = ct.bid(0), ct.bid(1)
+    if FLAT_GRID:
+        nchunks = (seqlen + CHUNK - 1) // CHUNK
+        chunk, row_block = ct.bid(0) % nchunks, ct.bid(0) // nchunks
+    batch = row_block // nhead_blocks
+    head_block = row_block % nhead_blocks
     step = ct.load(dt, (batch, chunk, head_block), shape=(1, CHUNK, HEAD_BLOCK),
                    padding_mode=ZERO).reshape((CHUNK, HEAD_BLOCK)).astype(ct.float32).transpose()
     if HAS_BIAS:
@@ -99,9 +107,11 @@ class ChunkCumsumConfig(KernelVariant):
     has_limit: bool = False
     wide: bool = False
     occupancy: int | None = None
+    flat_grid: bool = False      # past MAX_GRID_Y rows x head blocks (``needs_flat_grid``)
 
     def constants(self) -> tuple:
-        return (self.chunk_size, self.head_block, self.has_bias, self.softplus, self.has_limit)
+        return (self.chunk_size, self.head_block, self.has_bias, self.softplus, self.has_limit,
+                self.flat_grid)
 
     def signature(self):
         f32 = torch.float32
@@ -115,11 +125,17 @@ class ChunkCumsumConfig(KernelVariant):
     def describe(self) -> str:
         return (f"chunk_cumsum dt={self.dt_dtype} Q={self.chunk_size} HB={self.head_block} "
                 f"bias={self.has_bias} softplus={self.softplus} limit={self.has_limit} "
-                f"int64={self.wide}")
+                f"int64={self.wide}" + (" flat-grid" if self.flat_grid else ""))
 
 
 def head_block_for(nheads: int) -> int:
     return min(next_pow2(nheads), MAX_HEAD_BLOCK)
+
+
+def needs_flat_grid(batch: int, nheads: int) -> bool:
+    """Whether the (chunks, rows x head blocks) grid would pass CUDA's limit on its second
+    dimension (MAX_GRID_Y)."""
+    return batch * -(-nheads // head_block_for(nheads)) > MAX_GRID_Y
 
 
 def chunk_cumsum(dt: torch.Tensor, A: torch.Tensor, config: ChunkCumsumConfig, dt_bias=None,
@@ -141,7 +157,8 @@ def chunk_cumsum(dt: torch.Tensor, A: torch.Tensor, config: ChunkCumsumConfig, d
     A32 = A.to(f32)
     bias = A32 if dt_bias is None else dt_bias.to(f32)   # A stands in for an absent bias: never read
     nhb = -(-H // config.head_block)
-    ct.launch(launch_stream(dt, stream), (nchunks, b * nhb),
+    grid = (nchunks * b * nhb,) if config.flat_grid else (nchunks, b * nhb)
+    ct.launch(launch_stream(dt, stream), grid,
               config.kernel,
               (dt, A32, bias, dt_out, cumsum, L, nhb, float(dt_limit[0]), float(dt_limit[1]),
                *config.constants()))

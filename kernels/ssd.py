@@ -140,7 +140,8 @@ from typing import Optional
 
 import torch
 
-from kernels.chunk_cumsum import ChunkCumsumConfig, chunk_cumsum, head_block_for
+from kernels.chunk_cumsum import (ChunkCumsumConfig, chunk_cumsum, head_block_for,
+                                  needs_flat_grid)
 from kernels.chunk_scores import ChunkScoresConfig
 from kernels.compute_out import ComputeOutConfig, OutInputs, compute_out
 from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
@@ -1017,7 +1018,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
     f32 = torch.float32
     cumsum = ChunkCumsumConfig(dt_dtype=key.dt_dtype, chunk_size=Q,
                                head_block=head_block_for(key.nheads), has_bias=key.has_bias,
-                               softplus=key.softplus, has_limit=key.has_limit, wide=wide)
+                               softplus=key.softplus, has_limit=key.has_limit, wide=wide,
+                               flat_grid=needs_flat_grid(key.batch, key.nheads))
     per_seq_start_dtype = key.start_dtype if key.per_seq_start else f32
     # Increments summed in 'input' (bf16 x, a call that returns no states) are stored in bf16, as
     # the states they add up to are: half the traffic between the two kernels.

@@ -186,6 +186,10 @@ COVERING_KEYS = (
       for name, dtype, dstate in (("fp16-n64", f16, 64), ("fp32-n32", f32, 32))),
     ("int64-b1-L139264-h256-q64-out-only-fused",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),
+    # Past 65,535 rows x head blocks chunk_cumsum's grid is flat
+    # (kernels.chunk_cumsum.needs_flat_grid): a batch of short sequences.
+    ("b65536-L64-h8-flat-cumsum-grid", replace(_small(bf16, bf16, 64, 8, 32, 64, 1),
+                                               batch=65536, seqlen=64), None, None),
     ("anchor-b8-L4096-h64-layer", _anchor(8, 4096, 64, 1, has_d=True, has_bias=True,
                                           softplus=True), None, None),
     ("int64-b1-L139264-h256", _anchor(1, 139264, 256, 1, has_d=True), None, None),

@@ -3,7 +3,7 @@ compiles to sm_80/sm_90/sm_100 cubins, keeps its matmuls on tensor cores where i
 promises them and moves its tiles by TMA (sm_90 remarks); those specializations are the H200's,
 and the host code launches the signatures CI compiles.
 
-The compiles (530 tileiras runs: each target's covering set, 179 distinct variants whose bytecode
+The compiles (536 tileiras runs: each target's covering set, 181 distinct variants whose bytecode
 is written once for the targets that compile them) happen once, two variants at a time, in a
 module fixture; each (variant, target) is then its own test. On the 2-core CI machine the fixture
 took 882 s (753cc8d, pytest --durations) when each run wrote its own bytecode; the whole CPU suite
@@ -215,6 +215,29 @@ def test_persistent_kernels_launch_the_blocks_the_gpu_holds(monkeypatch):
         assert cfg.launch_blocks(100, cpu) == 100
         assert replace(cfg, occupancy=None).launch_blocks(32768, cpu) == 132
         assert replace(cfg, persistent=False).launch_blocks(32768, cpu) == 32768
+
+
+@pytest.mark.parametrize("batch, nheads, flat", [(8191, 64, False), (8192, 64, True),
+                                                 (65535, 1, False), (65536, 1, True),
+                                                 (70000, 8, True)])
+def test_the_cumsum_grid_stays_within_cuda_limits_at_any_batch(batch, nheads, flat):
+    """chunk_cumsum's grid is (chunks, rows x head blocks) up to CUDA's 65,535 on a second
+    dimension, and flat past it (``needs_flat_grid``, which the plan follows), its block count
+    the same; the meta tensors' launch recorded."""
+    from kernels.chunk_cumsum import MAX_GRID_Y, chunk_cumsum, head_block_for, needs_flat_grid
+    key = ssd.ProblemKey(batch=batch, seqlen=200, nheads=nheads, headdim=16, dstate=16, ngroups=1,
+                         chunk_size=64, x_dtype=torch.bfloat16, b_dtype=torch.bfloat16,
+                         c_dtype=torch.bfloat16)
+    config = ssd.make_plan(key).cumsum
+    assert needs_flat_grid(batch, nheads) == config.flat_grid == flat
+    dt = torch.empty(batch, 200, nheads, device="meta")
+    with recorded_launches() as launched:
+        chunk_cumsum(dt, torch.empty(nheads, device="meta"), config)
+    (grid, _, _), = launched
+    head_blocks = -(-nheads // head_block_for(nheads))
+    assert math.prod(grid) == 4 * batch * head_blocks
+    assert len(grid) == (1 if flat else 2) and max(grid[1:], default=0) <= MAX_GRID_Y
+    assert grid[0] <= 2 ** 31 - 1
 
 
 def test_launch_signatures_are_the_ones_the_h200_compiled():

@@ -15,9 +15,10 @@ import torch
 
 from kernels.contract import SSDInputError, validate
 from kernels.device import CuTileUnavailable, tileiras_path
-from kernels.gpu_check import (FULL_GRID_ENV, check_case, check_int64_case, compare, grid,
-                               int64_problem_bytes)
-from kernels.ssd import resolve_precision, ssd_forward, ssd_forward_stages, state_precision
+from kernels.gpu_check import (FULL_GRID_ENV, check_case, check_int64_case, check_problem,
+                               compare, grid, int64_problem_bytes)
+from kernels.ssd import (resolve_precision, ssd_forward, ssd_forward_stages, stage_pipeline,
+                         state_precision)
 from properties.problems import (SUBNORMAL_CASES, ProblemSpec, build_problem, near_top_problem,
                                  subnormal_decay_problem)
 from properties.tolerances import relation_tolerance
@@ -76,6 +77,29 @@ def test_int64_offsets_past_2_pow_31():
     if free < need:
         pytest.skip(f"needs {need / 2**30:.0f} GiB free GPU memory, {free / 2**30:.0f} GiB free")
     record = check_int64_case()
+    assert not record["violations"], record["violations"]
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_a_batch_past_the_cumsum_grid_limit():
+    """65,536 rows of one head: chunk_cumsum's (chunks, rows x head blocks) grid would pass CUDA's
+    65,535 on its second dimension, so it runs flat (kernels.chunk_cumsum.needs_flat_grid). Its
+    stages equal, bit for bit, those of the two halves run apart (two-dimensional grids), and
+    every quantity passes the rule against float64."""
+    spec = ProblemSpec(batch=65536, seqlen=100, nheads=1, headdim=16, dstate=16, chunk_size=64,
+                       dt_bias=True, dt_softplus=True, return_final_states=True)
+    problem = build_problem(spec, "cuda", draw_on_device=True)
+    assert stage_pipeline(problem).plan.cumsum.flat_grid
+    whole = ssd_forward_stages(problem)
+    for rows in (slice(0, 32768), slice(32768, None)):
+        half = problem.with_tensors(**{name: getattr(problem, name)[rows]
+                                       for name in ("x", "dt", "B", "C")})
+        assert not stage_pipeline(half).plan.cumsum.flat_grid
+        for name, stage in ssd_forward_stages(half).stages.items():
+            if name != "chunk_states":
+                assert torch.equal(whole.stages[name][rows], stage), name
+    record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
 
 
