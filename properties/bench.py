@@ -58,6 +58,7 @@ import math
 import os
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -762,6 +763,13 @@ def format_row(name: str, row: dict, ours_ms: Optional[float]) -> list[str]:
             _num(error.get("max_abs"), ".2e"), _num(error.get("normwise_rel"), ".2e")]
 
 
+def _kernel_names(variant: str) -> str:
+    """A stage row's ``variant`` (its kernels' describe(), '; '-joined) as the kernels' names."""
+    if variant.startswith("none: "):
+        return f"none ({variant[len('none: '):]})"
+    return " + ".join(part.split()[0] for part in variant.split("; "))
+
+
 def format_table(doc: dict) -> str:
     """The terminal table: one block per shape, a row per implementation or stage."""
     probe = doc["copy_probe"]
@@ -794,6 +802,14 @@ def format_table(doc: dict) -> str:
                                               for i, (c, w) in enumerate(zip(r, widths))))
             else:
                 lines.append("  " + r[0].ljust(widths[0]) + "  " + "  ".join(r[1:]))
+        # Which kernels each stage row times: where the walk fuses stages 2 and 3, the states'
+        # row launches none and compute_out's times the walk.
+        kernels = [f"{name[len(OURS) + 1:]}: {_kernel_names(row['variant'])}"
+                   for name, row in record["rows"].items()
+                   if name.startswith(OURS + ".") and "variant" in row]
+        if kernels:
+            lines += textwrap.wrap("stages' kernels: " + "; ".join(kernels), 100,
+                                   initial_indent="  ", subsequent_indent="    ")
         for name, why in record.get("unavailable", {}).items():
             lines.append(f"  {name}: not run ({why})")
     lines += ["", SUMMARY_TITLE] + _summary(doc)

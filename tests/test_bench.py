@@ -239,8 +239,12 @@ def _record(label, ours_ms, peers, chunk_size=128, nbytes=562_036_992, copy_gbps
                             reps=10, flops=flops, error=dict(max_abs=1e-2, normwise_rel=2e-3),
                             **bench.derive_row(ours_ms, nbytes, flops, copy_gbps))
         kernels_ms = kernels_ms or ours_ms / 2
-        for stage, share in (("chunk_cumsum", 4), ("fwd_pass_state", 4), ("compute_out", 2)):
-            rows[f"ours.{stage}"] = dict(chunk_size=chunk_size, ms=kernels_ms / share, reps=10)
+        for stage, share, variant in (
+                ("chunk_cumsum", 4, "chunk_cumsum dt=torch.float32 Q=64"),
+                ("fwd_pass_state", 4, "none: scan_out keeps the states in registers"),
+                ("compute_out", 2, "chunk_scores B=torch.bfloat16 Q=64; scan_out x=torch.bfloat16")):
+            rows[f"ours.{stage}"] = dict(chunk_size=chunk_size, ms=kernels_ms / share, reps=10,
+                                         variant=variant)
     else:
         rows["ours"] = dict(chunk_size=chunk_size, failed="RuntimeError: boom")
     for name, ms in peers.items():
@@ -414,6 +418,9 @@ def test_table():
     stage = next(line for line in lines if line.strip().startswith("ours.compute_out"))
     assert " 0.25 " in stage                               # its share: 0.125 of 0.5 ms
     assert "errors on batch[:1] heads[:32]" in text
+    assert ("stages' kernels: chunk_cumsum: chunk_cumsum; fwd_pass_state: none (scan_out keeps "
+            "the states in registers); compute_out: chunk_scores + scan_out") in " ".join(
+                line.strip() for line in lines)
     assert "FAILED: RuntimeError: boom" in text
     assert "fla_kernel: not run (fla does not import" in text
     summary = lines[lines.index(bench.SUMMARY_TITLE) + 1:]
