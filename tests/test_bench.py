@@ -242,7 +242,7 @@ def _record(label, ours_ms, peers, chunk_size=128, nbytes=562_036_992, copy_gbps
         for stage, share, variant in (
                 ("chunk_cumsum", 4, "chunk_cumsum dt=torch.float32 Q=64"),
                 ("fwd_pass_state", 4, "none: scan_out keeps the states in registers"),
-                ("compute_out", 2, "chunk_scores B=torch.bfloat16 Q=64; scan_out x=torch.bfloat16")):
+                ("compute_out", 2, "chunk_scores Q=64; scan_out x=torch.bfloat16 Q=64")):
             rows[f"ours.{stage}"] = dict(chunk_size=chunk_size, ms=kernels_ms / share, reps=10,
                                          variant=variant)
     else:
