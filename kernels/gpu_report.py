@@ -27,7 +27,7 @@ from kernels import ssd
 from kernels.contract import validate
 from kernels.gpu_check import (FULL_GRID_ENV, QUICK_CASES, check_case, check_int64_case, grid,
                                int64_problem_bytes, time_ms)
-from properties.provenance import collect
+from properties.provenance import atomic_write, collect
 
 ANCHORS = ((8, 4096, 64, 64, 128, 1), (4, 8192, 32, 64, 128, 8), (1, 65536, 64, 64, 128, 1))
 SWEEP_CHUNKS = (64, 128, 256)
@@ -214,10 +214,7 @@ def _write(report: dict, out: str, start: float) -> None:
                          + f"; {time.perf_counter() - start:.0f} s.")
     for name, text in (("gpu_report.json", json.dumps(report, indent=1, default=str)),
                        ("gpu_report.md", markdown(report))):
-        path = os.path.join(out, name)
-        with open(path + ".part", "w") as f:
-            f.write(text)
-        os.replace(path + ".part", path)
+        atomic_write(os.path.join(out, name), text)
 
 
 def main(argv=None) -> int:

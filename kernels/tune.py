@@ -38,7 +38,6 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
 from multiprocessing import get_context
@@ -569,14 +568,16 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("tune: no CUDA device visible to torch", file=sys.stderr)
         return 2
-    from properties.provenance import collect  # noqa: PLC0415
+    from properties.provenance import atomic_write, collect  # noqa: PLC0415
     os.makedirs(args.out, exist_ok=True)
     records = []
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
         for shape in shapes:
             records.append(tune_shape(shape, pool, stages, args.chunk_size, args.out_alone))
-            with open(os.path.join(args.out, "tune.json"), "w") as f:
-                json.dump(dict(provenance=collect(), records=records), f, indent=1, default=str)
+            # Rewritten after every shape: a run cut short keeps the shapes it finished.
+            atomic_write(os.path.join(args.out, "tune.json"),
+                         json.dumps(dict(provenance=collect(), records=records), indent=1,
+                                    default=str))
             print(f"{shape}: default {records[-1]['default_ms']:.3f} ms -> tuned "
                   f"{records[-1]['tuned_ms']:.3f} ms", flush=True)
     if args.write_table:
@@ -587,13 +588,8 @@ def main(argv=None) -> int:
 
 
 def _write_json(path: str, document: dict) -> None:
-    """Atomically: a reader sees the old file or the new one, never a partial one."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(path)),
-                                     suffix=".tmp", delete=False) as f:
-        json.dump(document, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(f.name, path)
+    from properties.provenance import atomic_write  # noqa: PLC0415
+    atomic_write(path, json.dumps(document, indent=1, default=str) + "\n")
 
 
 def write_table(document: dict) -> None:

@@ -691,8 +691,9 @@ def main(argv=None) -> int:
             print("     " + p.replace("\n", "\n     "))
     print(f"{len(results)} compiles, {failures} failed, {time.perf_counter() - start:.0f} s")
     if args.out:
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump([r.__dict__ for r in results], f, indent=1)
+        from properties.provenance import atomic_write  # noqa: PLC0415
+        atomic_write(os.path.join(args.out, "results.json"),
+                     json.dumps([r.__dict__ for r in results], indent=1))
     return 1 if failures else 0
 
 

@@ -55,7 +55,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import statistics
 import sys
 import textwrap
@@ -68,7 +67,7 @@ import torch
 
 from properties.metrics import error_metrics
 from properties.problems import DTYPES, ProblemSpec, build_problem
-from properties.provenance import REPO_ROOT, collect, device_label, read_document
+from properties.provenance import REPO_ROOT, atomic_write, collect, device_label, read_document
 
 SCHEMA = "mamba2-cutile bench 1"
 NOMINAL_GBPS = 4300.0                # H200 HBM3e, the device README's figure
@@ -947,17 +946,12 @@ def plot_shapes(doc: dict, path: Path) -> bool:
 
 
 def write_json(doc: dict, path: Path) -> Path:
-    """Write atomically: a reader (or a run killed mid-write) never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
-    os.replace(partial, path)
-    return path
+    return atomic_write(path, json.dumps(doc, indent=1, sort_keys=False) + "\n")
 
 
 def write_outputs(doc: dict, out_dir: Path) -> list[Path]:
-    written = [write_json(doc, out_dir / "bench.json"), out_dir / "bench.txt"]
-    written[1].write_text(format_table(doc) + "\n")
+    written = [write_json(doc, out_dir / "bench.json"),
+               atomic_write(out_dir / "bench.txt", format_table(doc) + "\n")]
     for plot, name in ((plot_shapes, "bench_shapes.png"), (plot_scaling, "bench_scaling.png")):
         if plot(doc, out_dir / name):
             written.append(out_dir / name)

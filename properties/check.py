@@ -28,6 +28,7 @@ from properties.impls import (IMPL_NAMES_HELP, ImplUnavailable, available_impls,
                               problem_features, reference)
 from properties.metrics import error_metrics, owed_finite
 from properties.problems import DTYPES, ProblemSpec, build_problem
+from properties.provenance import atomic_write
 from properties.regimes import REGIMES
 
 STAGE_ORDER = ("dt", "log2_decay_cumsum", "chunk_states", "out", "final_states", "varlen_states")
@@ -493,6 +494,5 @@ def main(args: argparse.Namespace) -> int:
     report = run_check(spec, args.impl, args.device, args.mpmath_slices)
     if args.json:
         import json  # noqa: PLC0415
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        atomic_write(args.json, json.dumps(report, indent=1, default=str))
     return 1 if report["failed"] else 0

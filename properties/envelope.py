@@ -467,7 +467,8 @@ def write_report(document: dict, out_dir: Path) -> list[Path]:
     from properties.report import write_report as write  # noqa: PLC0415  (matplotlib is slow to import)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "envelope.json"
-    path.write_text(json.dumps(document, indent=1, sort_keys=False, allow_nan=True) + "\n")
+    provenance.atomic_write(path, json.dumps(document, indent=1, sort_keys=False,
+                                             allow_nan=True) + "\n")
     return [path] + write(document, out_dir)
 
 

@@ -9,7 +9,9 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Callable, Union
 
 import torch
 
@@ -27,6 +29,27 @@ def read_document(path, schema: str) -> dict:
     if found != schema:
         raise ValueError(f"expected schema {schema!r}, got {found!r} in {path}")
     return doc
+
+
+def atomic_write(path, content: Union[str, bytes, Callable]) -> Path:
+    """Write ``content`` (text, bytes, or a function writing to a binary file object) to a
+    temporary file beside ``path``, then rename it over ``path``: a reader, or a run killed
+    mid-write (a device call's time limit), sees the old file or the new one, never half of one.
+    Every report and artifact is written this way."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode() if isinstance(content, str) else content)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def _version(dist: str) -> str | None:

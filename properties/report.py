@@ -20,6 +20,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import FixedFormatter, FixedLocator, NullFormatter  # noqa: E402
 from PIL import Image  # noqa: E402  (matplotlib's own dependency)
 
+from properties.provenance import atomic_write  # noqa: E402
 from properties.regimes import REGIMES  # noqa: E402
 
 STAGE_TITLES = {"log2_decay_cumsum": "chunk cumsum (log2 decay)", "chunk_states": "chunk states",
@@ -344,5 +345,5 @@ def write_report(doc: dict, out_dir: Path) -> list[Path]:
                          plot_vs_decay(doc, out_dir / "error_vs_decay.png"),
                          plot_per_stage(doc, out_dir / "error_per_stage.png")) if p is not None]
     md = out_dir / "envelope.md"
-    md.write_text(markdown(doc, [str(p) for p in plots]))
+    atomic_write(md, markdown(doc, [str(p) for p in plots]))
     return [md] + plots

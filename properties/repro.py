@@ -19,7 +19,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,18 +69,6 @@ def _stem(kind: str, name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{kind}-{name}").strip("_")[:150]
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write via ``write(file_object)`` to a temporary file beside ``path``, then rename it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _jsonable(value):
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
@@ -110,7 +97,7 @@ def save_artifact(*, kind: str, name: str, problem: SSDProblem, impl: str, error
     tensor_file = None
     if nbytes <= TENSOR_LIMIT_BYTES:
         tensor_file = f"{stem}.pt"
-        _atomic_write(directory / tensor_file, lambda f: torch.save(tensors, f))
+        provenance.atomic_write(directory / tensor_file, lambda f: torch.save(tensors, f))
     record = {
         "schema": SCHEMA, "kind": kind, "name": name, "impl": impl, "message": message,
         "recipe": None if spec is None else json.loads(spec.to_json()),
@@ -120,7 +107,7 @@ def save_artifact(*, kind: str, name: str, problem: SSDProblem, impl: str, error
         "hypothesis_blob": hypothesis_blob, "environment": provenance.collect(),
     }
     path = directory / f"{stem}.json"
-    _atomic_write(path, lambda f: f.write(json.dumps(record, indent=1, allow_nan=True).encode()))
+    provenance.atomic_write(path, json.dumps(record, indent=1, allow_nan=True))
     _written.append(path)
     return path
 
@@ -135,7 +122,7 @@ def take_written() -> list[Path]:
 def attach_hypothesis_blob(path: Path, blob: str) -> None:
     record = json.loads(Path(path).read_text())
     record["hypothesis_blob"] = blob
-    _atomic_write(Path(path), lambda f: f.write(json.dumps(record, indent=1).encode()))
+    provenance.atomic_write(path, json.dumps(record, indent=1))
 
 
 @dataclass

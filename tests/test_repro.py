@@ -16,7 +16,7 @@ from hypothesis.errors import UnsatisfiedAssumption
 from properties import repro
 from properties.impls import get_impl
 from properties.problems import ProblemSpec, build_problem
-from properties.provenance import REPO_ROOT
+from properties.provenance import REPO_ROOT, atomic_write
 
 BROKEN = "tests.broken_impls:drop_last_partial_chunk"
 SPEC = ProblemSpec(batch=2, seqlen=100, nheads=4, headdim=8, dstate=8, ngroups=2, chunk_size=32,
@@ -155,3 +155,21 @@ def test_failures_dir_defaults_to_the_ignored_folder_and_follows_the_environment
     assert ignored.returncode == 0
     monkeypatch.setenv(repro.FAILURES_ENV, "/tmp/elsewhere")
     assert repro.failures_dir() == Path("/tmp/elsewhere")
+
+
+def test_a_write_cut_short_keeps_the_file_it_would_replace(tmp_path):
+    """Every report and artifact is written through properties.provenance.atomic_write: a
+    write that fails midway (here the writer raises; on the H200 a device call's time limit
+    kills the run) leaves the previous file whole and no temporary file beside it."""
+    path = tmp_path / "reports" / "bench.json"
+    assert atomic_write(path, '{"rows": 1}\n') == path and path.read_text() == '{"rows": 1}\n'
+    atomic_write(path, b"bytes")
+    assert path.read_bytes() == b"bytes"
+
+    def cut_short(f):
+        f.write(b'{"rows": ')
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, cut_short)
+    assert path.read_bytes() == b"bytes" and os.listdir(path.parent) == ["bench.json"]
