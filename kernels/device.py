@@ -13,6 +13,10 @@ class CuTileUnavailable(RuntimeError):
     """The kernels cannot run here; the message says what is missing and what to do."""
 
 
+# cuTile compiles for compute capability 8.0 and later (Ampere on); tileiras has no older target.
+MIN_CAPABILITY = 80
+
+
 @functools.cache
 def tileiras_path() -> str:
     """The tileiras compiler cuTile will run, or CuTileUnavailable."""
@@ -90,4 +94,11 @@ def require_gpu(x: torch.Tensor) -> None:
     if x.device.type != "cuda":
         raise SSDInputError(f"x: expected a CUDA tensor (the cuTile kernels run on the GPU), got a "
                             f"tensor on {x.device}; move every input with .cuda()")
+    capability = compute_capability(x.device)
+    if capability < MIN_CAPABILITY:
+        raise CuTileUnavailable(
+            f"x: expected a GPU of compute capability {MIN_CAPABILITY // 10}.{MIN_CAPABILITY % 10}"
+            f" or later (cuTile compiles for Ampere on), got {capability // 10}.{capability % 10}"
+            f" ({torch.cuda.get_device_name(x.device)}, {x.device}). On this GPU use "
+            f"oracles.chunked_reference.ssd_reference, the same algorithm in torch.")
     tileiras_path()

@@ -565,6 +565,25 @@ def test_unsupported_dstate_raises_clear_error():
         ssd_forward_stages(problem)
 
 
+def test_a_gpu_older_than_ampere_raises_clear_error(monkeypatch):
+    """cuTile compiles for compute capability 8.0 on: an older GPU (a T4, 7.5) gets an error
+    naming the capability needed and found and what to use instead, not a compile failure. The
+    GPU stood in for on the CPU."""
+    from types import SimpleNamespace
+
+    from kernels import device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Tesla T4")
+    x = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(device, "compute_capability", lambda d: 75)
+    with pytest.raises(CuTileUnavailable, match=r"^x: expected a GPU of compute capability 8\.0 "
+                       r"or later .*, got 7\.5 \(Tesla T4, cuda:0\)\. On this GPU use "
+                       r"oracles\.chunked_reference\.ssd_reference"):
+        device.require_gpu(x)
+    monkeypatch.setattr(device, "compute_capability", lambda d: 80)
+    device.require_gpu(x)
+
+
 def test_missing_tileiras_raises_clear_error(monkeypatch):
     import cuda.tile._compile as compile_module
 
