@@ -1320,9 +1320,14 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
                        implementation="the cuTile kernels", defer_decay_check=True)
     graded = NoBackward.inputs_requiring_grad(problem)
     if graded:
-        launch = functools.partial(_launch_validated, problem, chunk_size is None, state_dtype,
-                                   precision)
-        return NoBackward.apply(launch, tuple(graded), *graded.values())
+        # The kernels get those inputs detached (the same memory), under no_grad too: cuTile may
+        # read a tensor through __cuda_array_interface__, which torch refuses for one that
+        # requires grad. The call's signature describes nothing detach changes.
+        problem = replace(problem, **{name: t.detach() for name, t in graded.items()})
+        if torch.is_grad_enabled():
+            launch = functools.partial(_launch_validated, problem, chunk_size is None,
+                                       state_dtype, precision)
+            return NoBackward.apply(launch, tuple(graded), *graded.values())
     return _launch_validated(problem, chunk_size is None, state_dtype, precision)
 
 
@@ -1367,9 +1372,7 @@ class NoBackward(torch.autograd.Function):
 
     @staticmethod
     def inputs_requiring_grad(problem: SSDProblem) -> dict:
-        """name -> tensor, the call's inputs that require grad (none where grad mode is off)."""
-        if not torch.is_grad_enabled():
-            return {}
+        """name -> tensor, the call's inputs that require grad."""
         return {name: t for name in NoBackward.DIFFERENTIABLE
                 if (t := getattr(problem, name)) is not None and t.requires_grad}
 

@@ -366,10 +366,11 @@ def test_a_backward_through_ssd_forward_raises_naming_the_inputs_that_require_gr
     """The kernels have no backward. Where grad mode is on and an input requires grad, every
     output of ssd_forward carries a backward that raises naming those inputs: without it their
     gradients would be silently missing while the rest of a model trains. Under no_grad, or with
-    no such input, the outputs carry none, and the same kernels launch in all three calls. CPU
-    tensors, launches recorded (kernels.variants.recorded_launches)."""
+    no such input, the outputs carry none, and the same kernels launch in all three calls, on
+    tensors that do not require grad. CPU tensors, ct.launch and the stream stood in for."""
+    import cuda.tile as ct
     from kernels import ssd
-    from kernels.variants import recorded_launches
+    launches = []
     monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
     monkeypatch.setattr(ssd, "_PREPARED", {})
     call = build_problem(ProblemSpec(batch=2, seqlen=100, nheads=4, headdim=16, dstate=32,
@@ -379,10 +380,20 @@ def test_a_backward_through_ssd_forward_raises_naming_the_inputs_that_require_gr
     with_grad = {**call, **{name: call[name].detach().clone().requires_grad_()
                             for name in graded}}
 
+    def record(stream, grid, kernel, args):
+        # Every array a kernel gets must not require grad as it launches (cuTile may read it
+        # through __cuda_array_interface__, which torch refuses for one that does).
+        launches.append((grid, kernel, any(isinstance(arg, torch.Tensor) and arg.requires_grad
+                                           for arg in args)))
+
+    monkeypatch.setattr(ct, "launch", record)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+
     def run(kwargs):
-        with recorded_launches() as launched:
-            outs = ssd.ssd_forward(**kwargs)
-        return outs, [(grid, kernel) for grid, kernel, _ in launched]
+        launches.clear()
+        outs = ssd.ssd_forward(**kwargs)
+        assert not any(graded_arg for _, _, graded_arg in launches)
+        return outs, [(grid, kernel) for grid, kernel, _ in launches]
 
     (out, states), launched = run(with_grad)
     assert out.requires_grad and states.requires_grad

@@ -288,9 +288,10 @@ def test_growing_decay_on_the_gpu_raises_after_the_deferred_check():
 @pytest.mark.gpu
 @requires_gpu
 def test_inputs_requiring_grad_get_the_same_outputs_and_a_backward_that_raises():
-    """A model's parameters (A, D, dt_bias) and activations (x) that require grad, grad mode on:
-    out and final states equal the no-grad call's bit for bit, and a backward through them
-    raises naming those inputs (ssd_forward has none; kernels.ssd.NoBackward)."""
+    """A model's parameters (A, D, dt_bias) and activations (x) that require grad: the kernels
+    take them (detached), under no_grad and with grad mode on; out and final states equal the
+    plain call's bit for bit, and with grad mode on a backward through them raises naming those
+    inputs (ssd_forward has none; kernels.ssd.NoBackward)."""
     p = build_problem(ProblemSpec(batch=2, seqlen=300, nheads=8, headdim=32, dstate=16,
                                   D="head", dt_bias=True, dt_softplus=True,
                                   return_final_states=True), "cuda")
@@ -298,8 +299,11 @@ def test_inputs_requiring_grad_get_the_same_outputs_and_a_backward_that_raises()
     with torch.no_grad():
         expected = ssd_forward(**kwargs)
     graded = ("x", "A", "D", "dt_bias")
-    out, final = ssd_forward(**{**kwargs, **{name: kwargs[name].detach().clone()
-                                             .requires_grad_() for name in graded}})
+    graded_kwargs = {**kwargs, **{name: kwargs[name].detach().clone().requires_grad_()
+                                  for name in graded}}
+    with torch.no_grad():
+        assert torch.equal(ssd_forward(**graded_kwargs)[0], expected[0])
+    out, final = ssd_forward(**graded_kwargs)
     assert torch.equal(out, expected[0]) and torch.equal(final, expected[1])
     with pytest.raises(NotImplementedError, match="got one for x, A, D, dt_bias, which require"):
         (out.float().sum() + final.sum()).backward()
