@@ -1261,12 +1261,13 @@ def ssd_forward_stages(problem: SSDProblem, *, state_dtype=None,
     """The kernels on a validated ``SSDProblem`` (``kernels.contract.validate`` or
     ``properties.problems.build_problem``): out, final_states, varlen_states (when cu_seqlens is
     given) and the stages dt, log2_decay_cumsum, chunk_states in their shared layouts, the
-    states computed as for a call that returns them (whatever the problem's return flags)."""
+    states computed as for a call that returns them (whatever the problem's return flags).
+    Inputs that require grad are read detached; nothing here has a grad_fn."""
     if problem.chunk_size not in SUPPORTED_CHUNK_SIZES:
         raise SSDInputError(f"chunk_size: expected one of {SUPPORTED_CHUNK_SIZES} (the cuTile "
                             f"kernels), got {problem.chunk_size}")
-    return run_stages(problem, state_dtype=state_dtype, precision=precision, states_returned=True,
-                      chunk_states=True)
+    return run_stages(NoBackward.detached(problem)[0], state_dtype=state_dtype,
+                      precision=precision, states_returned=True, chunk_states=True)
 
 
 def default_chunk_size(problem: SSDProblem, precision: Optional[str] = None,
@@ -1318,16 +1319,11 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
                        return_varlen_states=return_varlen_states,
                        supported_chunk_sizes=SUPPORTED_CHUNK_SIZES,
                        implementation="the cuTile kernels", defer_decay_check=True)
-    graded = NoBackward.inputs_requiring_grad(problem)
-    if graded:
-        # The kernels get those inputs detached (the same memory), under no_grad too: cuTile may
-        # read a tensor through __cuda_array_interface__, which torch refuses for one that
-        # requires grad. The call's signature describes nothing detach changes.
-        problem = replace(problem, **{name: t.detach() for name, t in graded.items()})
-        if torch.is_grad_enabled():
-            launch = functools.partial(_launch_validated, problem, chunk_size is None,
-                                       state_dtype, precision)
-            return NoBackward.apply(launch, tuple(graded), *graded.values())
+    problem, graded = NoBackward.detached(problem)
+    if graded and torch.is_grad_enabled():
+        launch = functools.partial(_launch_validated, problem, chunk_size is None, state_dtype,
+                                   precision)
+        return NoBackward.apply(launch, tuple(graded), *graded.values())
     return _launch_validated(problem, chunk_size is None, state_dtype, precision)
 
 
@@ -1371,10 +1367,16 @@ class NoBackward(torch.autograd.Function):
     DIFFERENTIABLE = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
     @staticmethod
-    def inputs_requiring_grad(problem: SSDProblem) -> dict:
-        """name -> tensor, the call's inputs that require grad."""
-        return {name: t for name in NoBackward.DIFFERENTIABLE
-                if (t := getattr(problem, name)) is not None and t.requires_grad}
+    def detached(problem: SSDProblem) -> tuple[SSDProblem, dict]:
+        """(the problem with its inputs that require grad detached, name -> each such input).
+        The kernels get the detached ones (the same memory), under no_grad too: cuTile may read
+        a tensor through __cuda_array_interface__, which torch refuses for one that requires
+        grad. The call's signature describes nothing detach changes."""
+        graded = {name: t for name in NoBackward.DIFFERENTIABLE
+                  if (t := getattr(problem, name)) is not None and t.requires_grad}
+        if not graded:
+            return problem, graded
+        return replace(problem, **{name: t.detach() for name, t in graded.items()}), graded
 
     @staticmethod
     def forward(ctx, launch, names, *inputs):

@@ -373,10 +373,11 @@ def test_a_backward_through_ssd_forward_raises_naming_the_inputs_that_require_gr
     launches = []
     monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
     monkeypatch.setattr(ssd, "_PREPARED", {})
-    call = build_problem(ProblemSpec(batch=2, seqlen=100, nheads=4, headdim=16, dstate=32,
-                                     ngroups=2, chunk_size=64, D="channel", dt_bias=True,
-                                     dt_softplus=True, initial_states=True,
-                                     return_final_states=True)).call_kwargs()
+    problem = build_problem(ProblemSpec(batch=2, seqlen=100, nheads=4, headdim=16, dstate=32,
+                                        ngroups=2, chunk_size=64, D="channel", dt_bias=True,
+                                        dt_softplus=True, initial_states=True,
+                                        return_final_states=True))
+    call = problem.call_kwargs()
     with_grad = {**call, **{name: call[name].detach().clone().requires_grad_()
                             for name in graded}}
 
@@ -410,6 +411,9 @@ def test_a_backward_through_ssd_forward_raises_naming_the_inputs_that_require_gr
     for output in (out_no_grad, states_no_grad, out_plain, states_plain):
         assert output.grad_fn is None and not output.requires_grad
     assert launched == launched_no_grad == launched_plain and launched
+    launches.clear()          # the stages' entry point reads them detached too
+    ssd.ssd_forward_stages(problem.with_tensors(**{name: with_grad[name] for name in graded}))
+    assert launches and not any(graded_arg for _, _, graded_arg in launches)
 
 
 @pytest.mark.parametrize("spec", [
