@@ -114,7 +114,7 @@ def segment_entering_states(end_states, log2_decay_cumsum, start_states, segment
                             stream=None) -> torch.Tensor:
     """(b * segments, H, P, N) fp32, the state entering each segment of ``split`` parts of
     ``part_chunks`` chunks; see the module docstring. stream: where to launch (default: the
-    current stream)."""
+    current stream of the inputs' device)."""
     stream = launch_stream(end_states, stream)
     b, H, nchunks = log2_decay_cumsum.shape[:3]
     P, N = end_states.shape[2:]

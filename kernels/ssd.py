@@ -1309,8 +1309,8 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     signature outside capture (which compiles its kernels); under capture A's values are not read
     back, a head with A > 0 makes its outputs NaN, and seq_idx and cu_seqlens are refused
     (kernels.contract, 'Decay').
-    Forward only: where grad mode is on and an input requires grad, the outputs carry a backward
-    that raises (``NoBackward``), so no gradient goes silently missing.
+    Forward only: inputs that require grad are read detached, and where grad mode is on the
+    outputs carry a backward that raises (``NoBackward``), so no gradient goes silently missing.
     """
     problem = validate(x, dt, A, B, C, DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,
                        D=D, z=z, dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
