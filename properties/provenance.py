@@ -31,6 +31,11 @@ def read_document(path, schema: str) -> dict:
     return doc
 
 
+# The process's umask, read once (reading it means setting it).
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def atomic_write(path, content: Union[str, bytes, Callable]) -> Path:
     """Write ``content`` (text, bytes, or a function writing to a binary file object) to a
     temporary file beside ``path``, then rename it over ``path``: a reader, or a run killed
@@ -40,6 +45,7 @@ def atomic_write(path, content: Union[str, bytes, Callable]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)      # as open() would create it (mkstemp's is 0600)
         with os.fdopen(fd, "wb") as f:
             if callable(content):
                 content(f)

@@ -163,6 +163,9 @@ def test_a_write_cut_short_keeps_the_file_it_would_replace(tmp_path):
     kills the run) leaves the previous file whole and no temporary file beside it."""
     path = tmp_path / "reports" / "bench.json"
     assert atomic_write(path, '{"rows": 1}\n') == path and path.read_text() == '{"rows": 1}\n'
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask      # as open() would have made it
     atomic_write(path, b"bytes")
     assert path.read_bytes() == b"bytes"
 
