@@ -769,6 +769,16 @@ def _kernel_names(variant: str) -> str:
     return " + ".join(part.split()[0] for part in variant.split("; "))
 
 
+def _cache_words(doc: dict) -> str:
+    """What ours' first calls compiled, by the run's cuTile disk cache (its provenance)."""
+    prov = doc.get("provenance", {})
+    if "cutile_disk_cache" not in prov:
+        return "ours' compiles, cuTile's disk cache not recorded"
+    if prov["cutile_disk_cache"] is None:
+        return "ours' compiles included: cuTile's disk cache off"
+    return f"ours' compiles but of kernels in cuTile's disk cache, {prov['cutile_disk_cache']}"
+
+
 def format_table(doc: dict) -> str:
     """The terminal table: one block per shape, a row per implementation or stage."""
     probe = doc["copy_probe"]
@@ -809,6 +819,13 @@ def format_table(doc: dict) -> str:
         if kernels:
             lines += textwrap.wrap("stages' kernels: " + "; ".join(kernels), 100,
                                    initial_indent="  ", subsequent_indent="    ")
+        first = [f"{name} {row['first_call_s']:.2f}" for name, row in record["rows"].items()
+                 if "first_call_s" in row and not name.startswith(OURS + ".")
+                 and not name.endswith(GRAPH)]
+        if first:
+            lines += textwrap.wrap(f"first call, s ({_cache_words(doc)}): "
+                                   + ", ".join(first), 100, initial_indent="  ",
+                                   subsequent_indent="    ")
         for name, why in record.get("unavailable", {}).items():
             lines.append(f"  {name}: not run ({why})")
     lines += ["", SUMMARY_TITLE] + _summary(doc)

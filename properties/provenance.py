@@ -125,6 +125,8 @@ def collect(command: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "cuda_tile": _version("cuda-tile") or _cutile_module_version(),
         "tileiras": _tileiras_version(),
+        # A first call compiles its kernels unless this cache holds them (first_call_s rows).
+        "cutile_disk_cache": _cutile_cache_dir(),
         "host": platform.node(),
         "device": "cpu",
     }
@@ -136,6 +138,16 @@ def collect(command: list[str] | None = None) -> dict:
     if os.environ.get("CI"):
         info["ci"] = True
     return info
+
+
+def _cutile_cache_dir() -> str | None:
+    """Where cuTile keeps compiled kernels across processes ($CUDA_TILE_CACHE_DIR, by default
+    ~/.cache/cutile-python), as cuTile reads it; None where the cache is off (or no cuTile)."""
+    try:
+        from cutile_cache._env import get_cache_dir_from_env  # noqa: PLC0415
+    except ImportError:
+        return None
+    return get_cache_dir_from_env()
 
 
 def _cutile_module_version() -> str | None:
