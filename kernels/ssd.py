@@ -1256,6 +1256,7 @@ def launch_stages(pipeline: StagePipeline) -> SSDResult:
                              "chunk_states": chunk_states})
 
 
+@torch.compiler.disable
 def ssd_forward_stages(problem: SSDProblem, *, state_dtype=None,
                        precision: Optional[str] = None) -> SSDResult:
     """The kernels on a validated ``SSDProblem`` (``kernels.contract.validate`` or
@@ -1288,6 +1289,10 @@ def default_chunk_size(problem: SSDProblem, precision: Optional[str] = None,
     return STATE_SCAN_CHUNK_SIZE if fused else DEFAULT_CHUNK_SIZE
 
 
+# torch.compile runs both entry points as they run eagerly (one graph break each) instead of
+# tracing their host code: validation, plans memoized in lru_caches (which dynamo ignores,
+# warning of silent incorrectness), pinned copies and events, then launches it cannot trace.
+@torch.compiler.disable
 def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
                 initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
                 dt_limit=(0.0, math.inf), return_final_states=False, return_varlen_states=False,

@@ -1,6 +1,6 @@
 """Every validation error of kernels/contract.py, the valid calls it accepts, pack_outputs, and
-two things of ssd_forward's calls: outputs where an input requires grad (the kernels have no
-backward), and the stream its kernels launch on.
+three things of ssd_forward's calls: outputs where an input requires grad (the kernels have no
+backward), the stream its kernels launch on, and what torch.compile makes of it.
 
 Each refusal must be an SSDInputError whose message is "<argument>: expected <what>, got <given>";
 the tests check the argument, the expectation and the given value (the 'meta' device stands in for
@@ -441,3 +441,38 @@ def test_every_launch_goes_to_the_current_stream_of_the_inputs_device(monkeypatc
     plan = ssd.stage_pipeline(build_problem(ProblemSpec(chunk_size=64, **spec))).plan
     chunk_cumsum(call["dt"], call["A"], plan.cumsum)
     assert len(streams) >= 3 and set(streams) == {("stream of", call["x"].device)}
+
+
+def test_torch_compile_runs_ssd_forward_as_it_runs_eagerly(monkeypatch):
+    """A compiled layer that calls ssd_forward: dynamo captures the layer's own op (one graph,
+    one op), not ssd_forward's host code (without torch.compiler.disable it traced 15 ops into
+    7 graphs, through lru_caches it warns it may get wrong), and the compiled layer launches
+    the kernels the eager one does. CPU tensors, ct.launch and the stream stood in for."""
+    import warnings
+
+    import cuda.tile as ct
+    from kernels import ssd
+    launches = []
+    monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args:
+                        launches.append((grid, kernel)))
+    call = build_problem(ProblemSpec(batch=2, seqlen=100, nheads=4, headdim=16, dstate=32,
+                                     ngroups=2, chunk_size=64, D="channel", dt_bias=True,
+                                     dt_softplus=True)).call_kwargs()
+    args = [call[name] for name in ("x", "dt", "A", "B", "C", "D", "dt_bias")]
+
+    def layer(x, dt, A, B, C, D, dt_bias):
+        return ssd.ssd_forward(x, dt, A, B, C, None, D, None, dt_bias, dt_softplus=True) * 2
+
+    layer(*args)
+    eager = list(launches)
+    with warnings.catch_warnings():          # torch's own deprecations, from inside dynamo
+        warnings.simplefilter("ignore")
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(layer)(*args)
+        torch._dynamo.reset()
+        launches.clear()
+        torch.compile(layer)(*args)
+    assert (explained.graph_count, explained.op_count) == (1, 1)
+    assert launches == eager and eager
