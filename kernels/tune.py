@@ -568,16 +568,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("tune: no CUDA device visible to torch", file=sys.stderr)
         return 2
-    from properties.provenance import atomic_write, collect  # noqa: PLC0415
+    from properties.provenance import collect, write_json  # noqa: PLC0415
     os.makedirs(args.out, exist_ok=True)
     records = []
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=get_context("spawn")) as pool:
         for shape in shapes:
             records.append(tune_shape(shape, pool, stages, args.chunk_size, args.out_alone))
             # Rewritten after every shape: a run cut short keeps the shapes it finished.
-            atomic_write(os.path.join(args.out, "tune.json"),
-                         json.dumps(dict(provenance=collect(), records=records), indent=1,
-                                    default=str))
+            write_json(os.path.join(args.out, "tune.json"),
+                       dict(provenance=collect(), records=records))
             print(f"{shape}: default {records[-1]['default_ms']:.3f} ms -> tuned "
                   f"{records[-1]['tuned_ms']:.3f} ms", flush=True)
     if args.write_table:
@@ -587,13 +586,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _write_json(path: str, document: dict) -> None:
-    from properties.provenance import atomic_write  # noqa: PLC0415
-    atomic_write(path, json.dumps(document, indent=1, default=str) + "\n")
-
-
 def write_table(document: dict) -> None:
-    _write_json(TABLE_PATH, document)
+    from properties.provenance import write_json  # noqa: PLC0415
+    write_json(TABLE_PATH, document)
     print(f"wrote {TABLE_PATH}: {len(document['entries'])} entries")
 
 
@@ -607,7 +602,8 @@ def write_cache(document: dict, path: str | None = None) -> str:
     ids = {(json.dumps(e["key"], sort_keys=True), device) for e in fresh}
     kept = [e for e in ssd.load_tuning_entries(path)
             if (json.dumps(e["key"], sort_keys=True), e.get("device")) not in ids]
-    _write_json(path, dict(entries=kept + fresh))
+    from properties.provenance import write_json  # noqa: PLC0415
+    write_json(path, dict(entries=kept + fresh))
     print(f"wrote {path}: {len(fresh)} entries for {device} ({len(kept)} others kept)")
     return path
 

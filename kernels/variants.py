@@ -37,7 +37,6 @@ import functools
 import hashlib
 import inspect
 import io
-import json
 import linecache
 import math
 import os
@@ -691,9 +690,8 @@ def main(argv=None) -> int:
             print("     " + p.replace("\n", "\n     "))
     print(f"{len(results)} compiles, {failures} failed, {time.perf_counter() - start:.0f} s")
     if args.out:
-        from properties.provenance import atomic_write  # noqa: PLC0415
-        atomic_write(os.path.join(args.out, "results.json"),
-                     json.dumps([r.__dict__ for r in results], indent=1))
+        from properties.provenance import write_json  # noqa: PLC0415
+        write_json(os.path.join(args.out, "results.json"), [r.__dict__ for r in results])
     return 1 if failures else 0
 
 

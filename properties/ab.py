@@ -47,7 +47,7 @@ from kernels import ssd, variants
 from properties import bench
 from properties.metrics import error_metrics
 from properties.problems import DTYPES, ProblemSpec, build_problem
-from properties.provenance import REPO_ROOT, collect, device_label
+from properties.provenance import REPO_ROOT, collect, device_label, write_json
 from properties.regimes import REGIMES
 
 SCHEMA = "mamba2-cutile ab 1"
@@ -395,7 +395,7 @@ def main(args: argparse.Namespace) -> int:
         except Exception as exc:  # the case's problem or plan: recorded, the next case runs
             record = dict(case=case.text, failed=f"{type(exc).__name__}: {exc}"[:2000], arms={})
         doc["cases"].append(record)
-        bench.write_json(doc, out)
+        write_json(out, doc)
         print("\n".join(format_record(doc["cases"][-1])), flush=True)
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import statistics
 import sys
@@ -67,7 +66,8 @@ import torch
 
 from properties.metrics import error_metrics
 from properties.problems import DTYPES, ProblemSpec, build_problem
-from properties.provenance import REPO_ROOT, atomic_write, collect, device_label, read_document
+from properties.provenance import (REPO_ROOT, atomic_write, collect, device_label, read_document,
+                                   write_json)
 
 SCHEMA = "mamba2-cutile bench 1"
 NOMINAL_GBPS = 4300.0                # H200 HBM3e, the device README's figure
@@ -962,12 +962,8 @@ def plot_shapes(doc: dict, path: Path) -> bool:
     return True
 
 
-def write_json(doc: dict, path: Path) -> Path:
-    return atomic_write(path, json.dumps(doc, indent=1, sort_keys=False) + "\n")
-
-
 def write_outputs(doc: dict, out_dir: Path) -> list[Path]:
-    written = [write_json(doc, out_dir / "bench.json"),
+    written = [write_json(out_dir / "bench.json", doc),
                atomic_write(out_dir / "bench.txt", format_table(doc) + "\n")]
     for plot, name in ((plot_shapes, "bench_shapes.png"), (plot_scaling, "bench_scaling.png")):
         if plot(doc, out_dir / name):
@@ -1181,7 +1177,7 @@ def _measure(args: argparse.Namespace) -> dict:
         raise SystemExit(f"bench: --out would overwrite the baseline {args.check}; write the new "
                          f"run elsewhere")
     checkpoint = None if out_dir is None else \
-        (lambda partial: write_json(partial, Path(out_dir) / "bench.json"))
+        (lambda partial: write_json(Path(out_dir) / "bench.json", partial))
     doc = run(shapes, QUICK_TIMING if args.quick else FULL_TIMING, budget_s=args.budget_s,
               log=lambda line: print(line, file=sys.stderr, flush=True), checkpoint=checkpoint,
               our_chunk_size=args.chunk_size)

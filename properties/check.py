@@ -28,7 +28,7 @@ from properties.impls import (IMPL_NAMES_HELP, ImplUnavailable, available_impls,
                               problem_features, reference)
 from properties.metrics import error_metrics, owed_finite
 from properties.problems import DTYPES, ProblemSpec, build_problem
-from properties.provenance import atomic_write
+from properties.provenance import write_json
 from properties.regimes import REGIMES
 
 STAGE_ORDER = ("dt", "log2_decay_cumsum", "chunk_states", "out", "final_states", "varlen_states")
@@ -493,6 +493,5 @@ def main(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     report = run_check(spec, args.impl, args.device, args.mpmath_slices)
     if args.json:
-        import json  # noqa: PLC0415
-        atomic_write(args.json, json.dumps(report, indent=1, default=str))
+        write_json(args.json, report)
     return 1 if report["failed"] else 0

@@ -19,7 +19,6 @@ the output dtype (see ``SLACK_REASON``); each failing cell leaves a repro artifa
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -467,8 +466,7 @@ def write_report(document: dict, out_dir: Path) -> list[Path]:
     from properties.report import write_report as write  # noqa: PLC0415  (matplotlib is slow to import)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "envelope.json"
-    provenance.atomic_write(path, json.dumps(document, indent=1, sort_keys=False,
-                                             allow_nan=True) + "\n")
+    provenance.write_json(path, document)
     return [path] + write(document, out_dir)
 
 

@@ -58,6 +58,11 @@ def atomic_write(path, content: Union[str, bytes, Callable]) -> Path:
     return path
 
 
+def write_json(path, document) -> Path:
+    """``document`` as indented JSON (what JSON lacks as its str), written by ``atomic_write``."""
+    return atomic_write(path, json.dumps(document, indent=1, default=str) + "\n")
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)

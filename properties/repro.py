@@ -107,7 +107,7 @@ def save_artifact(*, kind: str, name: str, problem: SSDProblem, impl: str, error
         "hypothesis_blob": hypothesis_blob, "environment": provenance.collect(),
     }
     path = directory / f"{stem}.json"
-    provenance.atomic_write(path, json.dumps(record, indent=1, allow_nan=True))
+    provenance.write_json(path, record)
     _written.append(path)
     return path
 
@@ -122,7 +122,7 @@ def take_written() -> list[Path]:
 def attach_hypothesis_blob(path: Path, blob: str) -> None:
     record = json.loads(Path(path).read_text())
     record["hypothesis_blob"] = blob
-    provenance.atomic_write(path, json.dumps(record, indent=1))
+    provenance.write_json(path, record)
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 from oracles.chunked_reference import chunked_ssd
 from properties import bench
 from properties.problems import ProblemSpec, build_problem
+from properties.provenance import write_json
 
 SMALL = ProblemSpec(batch=2, seqlen=48, nheads=4, headdim=8, dstate=8, ngroups=2, chunk_size=16)
 
@@ -653,7 +654,7 @@ def test_a_failing_shape_loses_neither_the_others_nor_the_saved_results(monkeypa
     saved = []
     path = tmp_path / "bench.json"
     bench.measure_shapes([big, SHAPE], ctx, doc, log=lambda line: None,
-                         checkpoint=lambda d: saved.append(bench.write_json(d, path).read_text()))
+                         checkpoint=lambda d: saved.append(write_json(path, d).read_text()))
     assert [r["label"] for r in doc["shapes"]] == [SHAPE.label]
     assert doc["failed_shapes"] == [dict(label=big.label,
                                          error="MemoryError: out of memory building the inputs")]
