@@ -1305,7 +1305,8 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
     (row, head) pairs that return out alone, or from 128 pairs the walk of kernels/scan_out.py
     for bf16 and fp16 calls that return out alone or with final states, and for bf16 calls with
     fewer pairs and long enough sequences the walk split along the sequence
-    (``walk_segments``), else 256); supported:
+    (``walk_segments``), else 256); an explicit one is honoured, so a drop-in call passing
+    mamba_ssm's 256 runs none of the chunk-64 kernels (README, 'Using the kernels'); supported:
     64, 128, 256. headdim and dstate up to 256. Inputs may be non-contiguous (the kernels read
     through strides).
     state_dtype: dtype of the stored chunk states (default: x's dtype in 'input', else float32);
