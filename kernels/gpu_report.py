@@ -13,7 +13,6 @@ data behind the dispatcher's defaults).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -27,7 +26,7 @@ from kernels import ssd
 from kernels.contract import validate
 from kernels.gpu_check import (FULL_GRID_ENV, QUICK_CASES, check_case, check_int64_case, grid,
                                int64_problem_bytes, time_ms)
-from properties.provenance import atomic_write, collect
+from properties.provenance import atomic_write, collect, write_json
 
 ANCHORS = ((8, 4096, 64, 64, 128, 1), (4, 8192, 32, 64, 128, 8), (1, 65536, 64, 64, 128, 1))
 SWEEP_CHUNKS = (64, 128, 256)
@@ -212,9 +211,8 @@ def _write(report: dict, out: str, start: float) -> None:
     report["summary"] = (f"{len(report['cases'])} cases ({report['grid']} grid), "
                          f"{len(failed)} breaking the rule" + (f": {', '.join(failed)}" if failed else "")
                          + f"; {time.perf_counter() - start:.0f} s.")
-    for name, text in (("gpu_report.json", json.dumps(report, indent=1, default=str)),
-                       ("gpu_report.md", markdown(report))):
-        atomic_write(os.path.join(out, name), text)
+    write_json(os.path.join(out, "gpu_report.json"), report)
+    atomic_write(os.path.join(out, "gpu_report.md"), markdown(report))
 
 
 def main(argv=None) -> int:
