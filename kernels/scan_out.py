@@ -35,8 +35,9 @@ against 6), alone 168 registers, no spill, 177,632 bytes of shared memory. fp16 
 '2xfp16' (``kernels.ssd.WALK_MODES``): 168 registers, no spill, 195,528 bytes (one block an SM),
 12 MMAs; float32 x in '3xbf16' up to dstate 64, 36 MMAs. On the H200 all three beat the
 chunk-256 path those calls took before (0.36-0.77x; kernels/ssd.py, at WALK_MODES, has the
-figures). Their blocks too run two to an SM where that pays, fp16's up to dstate 64, float32's
-up to 32 (``kernels.ssd.WALK_PAIRING``); one an SM, fp16's at dstate 64 updates its state in
+figures). Their blocks too run two to an SM where that pays, fp16's up to dstate 64 (128 on
+sm_90, out transposed there: ``kernels.ssd.WALK_PAIRING_SM90``), float32's up to 32
+(``kernels.ssd.WALK_PAIRING``); one an SM, fp16's at dstate 64 updates its state in
 '3xfp16' (``kernels.ssd.WALK_STATE_UPDATE_MODES``: two terms spill 400 bytes there on sm_90).
 
 Step order (``update_early``): on sm_90 the compiler gives the walk a producer warp that issues
@@ -66,8 +67,8 @@ stored transposed back. On sm_90 the state is then the entering term's MMA opera
 registers, where out's own orientation copies h^T to shared memory and fences it before each
 step's first MMA; W^T, half its bytes, is copied instead. The same products: outs bit-equal on
 the H200, and paired out alone with the shared scores 0.964-0.980x the time, with D
-0.914-0.951x (``kernels.ssd.walk_out_transposed``, where the figures and the walks that lost
-are).
+0.914-0.951x; fp16's paired at dstate 128 fits 128 registers only so
+(``kernels.ssd.walk_out_transposed``, where the figures and the walks that lost are).
 
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third

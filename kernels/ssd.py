@@ -272,6 +272,24 @@ SCAN_OUT_PAIRED_COST = 1.68
 # registers, 8 bytes spilled, 70,248 bytes of shared memory; float32's dstate-32 walk 128
 # registers, no spill, 113,272 bytes; fp16's dstate-128 walk 253 registers, 95,024 bytes.
 WALK_PAIRING = {"input": (128, SCAN_OUT_PAIRED_COST), "2xfp16": (64, 1.32), "3xbf16": (32, 1.64)}
+# On compute capability 9.x fp16's walk pairs up to dstate 128 too, there computing out
+# transposed (``walk_out_transposed``): on sm_90 its block then takes 128 registers, no spill,
+# 93,384 bytes of shared memory (in out's orientation 252 and 95,024, which lost paired at
+# 50fd6c2 above). On the H200 at ee6262e against one block an SM, whole forward, outs equal bit
+# for bit (experiments/ab_fp16_walk_paired_n128_ee6262e.txt): 0.730-0.736x the time at 192, 256,
+# 512 and 1,024 blocks (8 x 4096 x 64 heads 1.035 -> 0.756 ms; headdim 128; 8 rows of 2,048
+# tokens), 0.924x at 384, 0.828x in 8 groups (its own scores, ``walk_shares_scores``), with z
+# 0.605x, D per head 0.507x, per channel 0.691x, final states 0.768x (their update in '3xfp16');
+# paired in out's orientation 1.19-1.58x (z 0.999x, D per head 0.875x). With both z and D, which
+# only a paired walk takes, 0.22-0.24x the two state kernels and compute_out at chunk 64, out's
+# error against float64 equal to 9 digits. A paired round's cost ~1.47 (1.39 at 384 blocks;
+# whole forwards): any cost between 1 and 1.5 pairs the same block counts (the fewest rounds
+# alone over paired above one round is 3/2). With both z and D it takes 128 registers, no spill,
+# 101,568 bytes. On the H100 at ee6262e the paired transposed walk took 0.63-0.93x at seven
+# calls (reports/h100/experiments/ab_t2_t2s_ee6262e.json). On sm_100 it takes 255 registers and
+# 118,108 bytes (two do not fit an SM's 228 KB) and on sm_80 spills 1,448 bytes, so only 9.x
+# takes this reach.
+WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # The mode the walk runs in for each x dtype: the dtype's default. Measured on the H200 against
 # chunk 256 and the two state kernels, which such calls took before: fp16 x (its '2xfp16'
 # default) 0.41-0.77x (first anchor 1.49 -> 1.09 ms out alone), bf16 x returning final states
@@ -859,6 +877,10 @@ def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: b
 # computes out transposed without D, with z or not: 4 readers 0.901x the time of out's
 # orientation, 8 readers 0.885x (0.969 / 1.095), with z 0.914x (0.946 / 1.035); with D it keeps
 # out's orientation (8 readers: transposed 1.063x per head, 1.038x per channel, 1.025x with z).
+# fp16's walk paired at dstate 128 computes out transposed whatever it reads and adds
+# (WALK_PAIRING_SM90 has the figures); paired at dstate 64 transposed lost on the H200 at ee6262e:
+# 1.353x out alone, 1.377x with z, 1.260x with D per channel, 1.351x with final states at 4 rows
+# (on sm_90 32 bytes spilled; experiments/ab_fp16_walk_paired_n128_ee6262e.txt).
 
 
 def walk_out_transposed(mode: str, occupancy: Optional[int], shared_scores: bool, n_pad: int,
@@ -866,7 +888,10 @@ def walk_out_transposed(mode: str, occupancy: Optional[int], shared_scores: bool
     """Whether the walk of out computes out transposed (``ScanOutConfig.out_transposed``): in
     'input' (bf16) two blocks an SM, updating the state last, reading the shared scores without
     z (with D or without), or computing its own above dstate SCAN_OUT_OWN_SCORES_MAX_DSTATE
-    without D (with z or without)."""
+    without D (with z or without); in '2xfp16' two blocks an SM at padded dstate 128
+    (WALK_PAIRING_SM90), whatever it reads and adds."""
+    if mode == "2xfp16":
+        return occupancy == 2 and n_pad == 128
     if mode != "input" or occupancy != 2 or update_early:
         return False
     return not has_z if shared_scores else n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE and not has_d
@@ -914,11 +939,21 @@ def walk_takes_few_pairs(key: ProblemKey, mode: str, segments: int) -> bool:
     return mode == "input" and key.batch * key.nheads * segments >= WALK_MIN_SPLIT_ROW_HEADS
 
 
-def walk_occupancy(key: ProblemKey, mode: str, sms: int, copies: int = 1) -> Optional[int]:
+def walk_pairing(mode: str, capability: int) -> tuple[int, Optional[float]]:
+    """(the most padded dstate at which the walk in ``mode`` pairs its blocks, a paired round's
+    cost) on a GPU of compute ``capability``: WALK_PAIRING, or on 9.x WALK_PAIRING_SM90 where it
+    names the mode; (0, None) for a mode that never pairs."""
+    if capability // 10 == 9 and mode in WALK_PAIRING_SM90:
+        return WALK_PAIRING_SM90[mode]
+    return WALK_PAIRING.get(mode, (0, None))
+
+
+def walk_occupancy(key: ProblemKey, mode: str, sms: int, capability: int,
+                   copies: int = 1) -> Optional[int]:
     """``scan_out_occupancy`` of ``copies`` times the unsplit walk's blocks (``walk_blocks``:
     one copy a segment, or a part of one) at the mode's paired cost, up to its most dstate
-    (WALK_PAIRING); else None: one block an SM."""
-    max_dstate, paired_cost = WALK_PAIRING.get(mode, (0, None))
+    (``walk_pairing`` on a GPU of compute ``capability``); else None: one block an SM."""
+    max_dstate, paired_cost = walk_pairing(mode, capability)
     if next_pow2(key.dstate) > max_dstate:
         return None
     return scan_out_occupancy(walk_blocks(key) * copies, sms, paired_cost)
@@ -972,7 +1007,7 @@ def walk_dispatch(key: ProblemKey, mode: str, states_mode: str, sms: int,
     ``sms`` SMs of compute ``capability`` (``walk_state_precision``, ``walk_occupancy``,
     ``walk_segments``), else (None, None, 1)."""
     segments = walk_segments(key, sms)
-    occupancy = walk_occupancy(key, mode, sms, segments)
+    occupancy = walk_occupancy(key, mode, sms, capability, segments)
     walk_mode = walk_state_precision(key, mode, states_mode, occupancy, segments, capability)
     return (None, None, 1) if walk_mode is None else (walk_mode, occupancy, segments)
 
@@ -1090,7 +1125,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                 walk, start_dtype=f32, has_start=False, has_d=False, has_z=False,
                 shared_scores=False, computes_out=False, update_early=False, x_latency=0,
                 b_latency=0, out_transposed=False, backward=walks_states_backward(key, n_pad),
-                occupancy=walk_occupancy(key, mode, sms, (segments - 1) * parts))
+                occupancy=walk_occupancy(key, mode, sms, capability, (segments - 1) * parts))
             entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
                                             p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,
                                             has_start=key.start_dtype is not None, wide=wide)

@@ -6,7 +6,8 @@ shapes in bf16 (plain and as a Mamba-2 layer calls them), the >2^31-element case
 chosen so that every dtype, chunk size, headdim, dstate, precision mode and feature flag appears at
 least once, several pairwise (a recipe with cu_seqlens has batch 1, as such calls do). Each
 target's set is what the dispatcher picks on a GPU of its compute capability
-(``covering_variants``): sm_100's differs where ``kernels.ssd.walk_max_dstate`` does.
+(``covering_variants``): sm_100's differs where ``kernels.ssd.walk_max_dstate`` does, sm_90's
+where ``kernels.ssd.walk_pairing`` does.
 
 A variant is a kernel config with the signature its launch specializes it on: the host code runs
 each recipe on meta tensors with ct.launch recording (``launch_signatures``), and every array
@@ -159,15 +160,19 @@ COVERING_KEYS = (
     ("int64-b1-L524288-h64-q64-out-only-walk-segments",
      replace(_anchor(1, 524288, 64, 1), chunk_size=64, states_returned=False), None, None),
     # fp16 x in its '2xfp16' default walks too (kernels.ssd.WALK_MODES), one block an SM, but
-    # two up to dstate 64 (kernels.ssd.WALK_PAIRING): out alone (states in '2xfp16') and with
-    # final states ('3xfp16'), at dstate 256 with 8 worker warps (kernels.ssd.WALK_WORKER_WARPS).
-    # One block an SM at dstate 64 (fewer pairs) its state update runs in '3xfp16'
+    # two up to dstate 64 (kernels.ssd.WALK_PAIRING), on sm_90 up to 128, out transposed there
+    # (kernels.ssd.WALK_PAIRING_SM90): out alone (states in '2xfp16') and with final states
+    # ('3xfp16'), at dstate 256 with 8 worker warps (kernels.ssd.WALK_WORKER_WARPS); paired, z
+    # and D too. One block an SM at dstate 64 (fewer pairs) its state update runs in '3xfp16'
     # (kernels.ssd.WALK_STATE_UPDATE_MODES).
     *((f"anchor-b8-L4096-h64-q64-fp16{n}-{name}-walk",
        replace(_anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16, c_dtype=f16), chunk_size=64,
                dstate=dstate, states_returned=returned), None, None)
       for n, dstate in (("", 128), ("-n64", 64), ("-n256", 256))
       for name, returned in (("out-only", False), ("final-states", True))),
+    ("anchor-b8-L4096-h64-q64-fp16-z-d-walk",
+     replace(_anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16, c_dtype=f16, z_dtype=f16,
+                     has_d=True), chunk_size=64, states_returned=False), None, None),
     # float32 x walks in '3xbf16' up to dstate 64 (its state update in '3xbf16' with or without
     # final states): one block an SM with 8 worker warps at 64, two with the compiler's 4 at 32
     # (kernels.ssd.WALK_WORKER_WARPS, WALK_PAIRING). On sm_100 it walks up to 32
@@ -178,11 +183,15 @@ COVERING_KEYS = (
                dstate=dstate, states_returned=False), None, None)
       for dstate in (64, 32)),
     # One block an SM where two rows of 64 heads take one round either way: fp16's dstate-64
-    # walk, its state update in '3xfp16', and float32's dstate-32 walk.
-    *((f"anchor-b2-L4096-h64-q64-{name}-out-only-walk-alone",
+    # walk, its state update in '3xfp16', fp16's dstate-128 walk in out's orientation (with
+    # final states B's load latency hint, kernels.ssd.walk_b_latency), and float32's dstate-32
+    # walk.
+    *((f"anchor-b2-L4096-h64-q64-{name}-walk-alone",
        replace(_anchor(2, 4096, 64, 1, x_dtype=dtype, b_dtype=dtype, c_dtype=dtype),
-               chunk_size=64, dstate=dstate, states_returned=False), None, None)
-      for name, dtype, dstate in (("fp16-n64", f16, 64), ("fp32-n32", f32, 32))),
+               chunk_size=64, dstate=dstate, states_returned=returned), None, None)
+      for name, dtype, dstate, returned in (
+          ("fp16-n64-out-only", f16, 64, False), ("fp16-n128-out-only", f16, 128, False),
+          ("fp16-n128-final-states", f16, 128, True), ("fp32-n32-out-only", f32, 32, False))),
     ("int64-b1-L139264-h256-q64-out-only-fused",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),
     # Past 65,535 rows x head blocks chunk_cumsum's grid is flat

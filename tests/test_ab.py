@@ -79,9 +79,10 @@ def test_a_bad_arm_is_refused_naming_what_was_expected(text, named):
 
 
 def _plan() -> ssd.Plan:
-    """The first anchor's plan on the H200 in fp16, out alone (the walk, in out's orientation)."""
+    """The plan of 2 x 4096 x 64 heads on the H200 in fp16, out alone (the walk one block an SM,
+    in out's orientation: its 128 blocks take one round either way)."""
     fp16 = dict(x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)
-    key = dataclasses.replace(_anchor(8, 4096, 64, 1, **fp16), chunk_size=64,
+    key = dataclasses.replace(_anchor(2, 4096, 64, 1, **fp16), chunk_size=64,
                               states_returned=False)
     return ssd.make_plan(key, capability=90)
 
@@ -245,9 +246,10 @@ def test_the_case_key_is_the_key_of_the_whole_call(changes):
 
 
 def test_compile_mode_records_each_plans_kernels_without_a_gpu(tmp_path, capsys):
-    # What session 61 found by hand at b1212d5 for the fp16 walk (kernels/ssd.py, WALK_PAIRING),
-    # as one command: the compiles are the toolchain's, so only their bookkeeping is pinned.
-    args = argparse.Namespace(case=["8,4096,64,64,128,1 x_dtype=fp16 bc_dtype=fp16"],
+    # What session 61 found by hand at b1212d5 for the fp16 walk (kernels/ssd.py,
+    # WALK_PAIRING_SM90), as one command, at 2 rows, where the dispatcher keeps one block an SM:
+    # the compiles are the toolchain's, so only their bookkeeping is pinned.
+    args = argparse.Namespace(case=["2,4096,64,64,128,1 x_dtype=fp16 bc_dtype=fp16"],
                               arm=[WALK_ARM, "rows out.row_block=32"], chunk_size=64, rounds=5,
                               reps=7, compile="sm_90", out=tmp_path / "ab.json")
     assert ab.main(args) == 0

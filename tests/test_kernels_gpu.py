@@ -651,7 +651,8 @@ def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_b
     (None, True, 128, False, "bf16"), ("channel", True, 128, False, "bf16"),
     (None, False, 64, False, "bf16"), (None, False, 128, True, "bf16"),
     ("channel", True, 128, True, "bf16"), (None, False, 128, False, "fp16"),
-    ("channel", False, 128, True, "fp16"), (None, False, 256, False, "bf16"),
+    ("channel", False, 128, True, "fp16"), ("channel", True, 128, False, "fp16"),
+    (None, False, 256, False, "bf16"),
     ("head", False, 256, True, "bf16"), (None, True, 256, False, "bf16"),
     (None, False, 256, False, "fp16"), ("channel", False, 256, True, "fp16"),
     (None, False, 64, False, "fp16"), ("channel", True, 64, False, "fp16"),
@@ -660,25 +661,32 @@ def test_scan_out_agrees_with_the_scan_and_compute_out(initial_states, D, z, p_b
 def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate, final_states, dtype):
     """chunk_size=None at 512 (row, head) pairs: kernels/scan_out.py as the dispatcher runs it
     (``ssd.walk_state_precision``; its own scores at dstate 64; two blocks to an SM on the H200,
-    ``ssd.walk_occupancy``, and so with both z and D, in bf16 up to dstate 128, fp16 up to 64,
-    float32 up to 32, else one, z or D alone there; fp16 in '2xfp16', with 8 worker warps at
+    ``ssd.walk_occupancy``, and so with both z and D, in bf16 up to dstate 128, fp16 up to 64
+    (128 on compute capability 9.x, out transposed there), float32 up to 32, else one, z or D
+    alone there; fp16 in '2xfp16', with 8 worker warps at
     dstate 256; float32 in '3xbf16' up to dstate 64, with 8 worker warps there), out alone or
     with the final states (its state update then float32-grade: '3xbf16', '3xfp16'), each held
     to the rule against float64 over 15 chunks, the last partial."""
+    from kernels.device import compute_capability
     from kernels.gpu_check import check_problem
     from kernels.ssd import default_chunk_size, stage_pipeline
     spec = ProblemSpec(batch=8, seqlen=900, nheads=64, headdim=64, dstate=dstate, ngroups=1,
                        chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D=D, z=z,
                        initial_states=True, return_final_states=final_states)
     problem = build_problem(spec, "cuda")
+    sm90 = compute_capability(problem.x.device) // 10 == 9
+    paired_up_to = {"bf16": 128, "fp16": 128 if sm90 else 64, "fp32": 32}[dtype]
+    if D and z and dstate > paired_up_to:
+        pytest.skip(f"{dtype} at dstate {dstate} with z and D walks paired only on sm_90")
     assert default_chunk_size(problem) == 64
     walk = stage_pipeline(problem).plan.scan_out
     assert walk.state_precision == {("bf16", False): "input", ("bf16", True): "3xbf16",
                                     ("fp16", False): "2xfp16",
                                     ("fp16", True): "3xfp16", ("fp32", False): "3xbf16",
                                     ("fp32", True): "3xbf16"}[dtype, final_states]
-    paired_up_to = {"bf16": 128, "fp16": 64, "fp32": 32}[dtype]
     assert walk.occupancy == (2 if dstate <= paired_up_to else None)
+    if dtype == "fp16":
+        assert walk.out_transposed == (walk.occupancy == 2 and dstate == 128)
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
 
@@ -887,12 +895,14 @@ def test_the_walk_in_twice_the_segments_paired_passes_the_rule_and_agrees_with_h
     assert not record["violations"], record["violations"]
     key = ssd.ProblemKey.from_problem(problem, False, False, states_returned=True)
     sms = torch.cuda.get_device_properties(problem.x.device).multi_processor_count
+    capability = ssd.compute_capability(problem.x.device)
     parts = ssd.segment_split(key, 8, sms)
     halved = changed(pipeline, plan=changed(
         plan, walk_segments=8, segment_split=parts,
-        scan_out=changed(plan.scan_out, occupancy=ssd.walk_occupancy(key, "input", sms, 8)),
+        scan_out=changed(plan.scan_out, occupancy=ssd.walk_occupancy(key, "input", sms,
+                                                                     capability, 8)),
         segment_states=changed(plan.segment_states, occupancy=ssd.walk_occupancy(
-            key, "input", sms, 7 * parts))))
+            key, "input", sms, capability, 7 * parts))))
     assert halved.plan.scan_out.occupancy is None
     (out, final), (halved_out, halved_final) = (p.walk(*p.cumsum()) for p in (pipeline, halved))
     _assert_walks_agree(out, final, halved_out, halved_final)

@@ -4,6 +4,7 @@ never what is computed; CI compiles the variants it picks (tests/test_compile.py
 checks their numbers."""
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 from dataclasses import replace
@@ -318,8 +319,8 @@ def test_the_paired_walk_out_alone_computes_out_transposed_where_the_h200_ran_it
     """bf16 walks of out two blocks an SM that update the state last compute out transposed
     (``ssd.walk_out_transposed``) reading the shared scores with D or without, or computing their
     own at dstate 128 with z or without; with final states (the early update), z and the shared
-    scores, D and their own, their own at dstate 64, one block an SM, split, fp16 and the
-    states-only walk keep out's orientation."""
+    scores, D and their own, their own at dstate 64, one block an SM, split, fp16 at dstate 64
+    and the states-only walk keep out's orientation."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     plan = ssd.make_plan(fused)
     assert (plan.scan_out.occupancy, plan.scan_out.shared_scores) == (2, True)
@@ -336,7 +337,8 @@ def test_the_paired_walk_out_alone_computes_out_transposed_where_the_h200_ran_it
     for other in (dict(states_returned=True), dict(z_dtype=bf16),
                   dict(has_d=True, z_dtype=bf16),
                   dict(dstate=64), dict(batch=4, seqlen=8192, nheads=32, ngroups=8),
-                  dict(x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)):
+                  dict(dstate=64, x_dtype=torch.float16, b_dtype=torch.float16,
+                       c_dtype=torch.float16)):
         walk = ssd.make_plan(replace(fused, **other)).scan_out
         assert walk is not None and not walk.out_transposed, other
     split = ssd.make_plan(replace(fused, batch=1, seqlen=131072, nheads=32))
@@ -371,18 +373,20 @@ def test_the_walk_computes_its_own_scores_where_few_blocks_read_each_groups_tile
 def test_fp16_walks_with_final_states_one_block_an_sm_hint_bs_load_latency_at_dstate_128():
     """fp16's walk ('2xfp16') returning final states (its update '3xfp16'), one block an SM at
     dstate 128, takes B's load latency hint WALK_B_LATENCY_FP16_STATES (``ssd.walk_b_latency``);
-    out alone, dstate 256, and paired at dstate 64 (also updating in '3xfp16') leave it to the
-    compiler (0), where the H200 ran it no faster."""
+    out alone, dstate 256, and paired at dstate 64 and 128 (also updating in '3xfp16') leave it to
+    the compiler (0), where the H200 ran it no faster."""
     fp16 = replace(anchor_key(), chunk_size=64, x_dtype=torch.float16, b_dtype=torch.float16,
                    c_dtype=torch.float16, states_returned=True)
     hinted = ssd.WALK_B_LATENCY_FP16_STATES
     assert hinted > 0
-    for key in (fp16, replace(fp16, batch=4, seqlen=8192, nheads=32, ngroups=8)):
+    two_rows = replace(fp16, batch=2)
+    for key in (two_rows, replace(fp16, batch=4, seqlen=8192, nheads=32, ngroups=8)):
         walk = ssd.make_plan(key).scan_out
         assert (walk.precision, walk.state_precision, walk.occupancy) == ("2xfp16", "3xfp16", None)
         assert walk.b_latency == hinted
-    for key, occupancy in ((replace(fp16, states_returned=False), None),
-                           (replace(fp16, dstate=256), None), (replace(fp16, dstate=64), 2)):
+    for key, occupancy in ((replace(two_rows, states_returned=False), None),
+                           (replace(two_rows, dstate=256), None), (replace(fp16, dstate=64), 2),
+                           (fp16, 2)):
         walk = ssd.make_plan(key).scan_out
         assert (walk.occupancy, walk.b_latency) == (occupancy, 0)
     assert ssd.make_plan(replace(fp16, dstate=64)).scan_out.state_precision == "3xfp16"
@@ -405,29 +409,40 @@ def test_the_split_walks_states_only_walk_runs_backward_from_dstate_128_where_x_
     assert ssd.walks_states_backward(third, ssd.WALK_BACKWARD_MIN_DSTATE)
 
 
-def test_fp16_calls_walk_in_their_default_mode_paired_up_to_dstate_64():
+def test_fp16_calls_walk_in_their_default_mode_paired_up_to_dstate_128_on_sm90():
     """fp16 x walks in '2xfp16' (``ssd.WALK_MODES``) at chunk 64 by default, its state update in
     the chunk states' mode ('2xfp16' out alone, '3xfp16' with final states). Its blocks run two
-    to an SM up to dstate 64 where that takes fewer rounds at its paired cost
-    (``ssd.WALK_PAIRING``), and so also with both z and D there; one an SM at dstate 128 and 256,
-    which so keep the scan and compute_out with both. One an SM, out alone at dstate 64, its
-    state update runs in '3xfp16' (``ssd.WALK_STATE_UPDATE_MODES``: the H200 ran it faster so)."""
+    to an SM where that takes fewer rounds at its paired cost (``ssd.walk_pairing``), and so also
+    with both z and D there: up to dstate 64, and on compute capability 9.x up to 128, out
+    transposed there alone (``ssd.walk_out_transposed``); one an SM above, which so keeps the
+    scan and compute_out with both. One an SM, out alone at dstate 64, its state update runs in
+    '3xfp16' (``ssd.WALK_STATE_UPDATE_MODES``: the H200 ran it faster so)."""
     key = replace(anchor_key(), x_dtype=torch.float16, b_dtype=torch.float16,
                   c_dtype=torch.float16)
     assert ssd.default_chunk_size(_meta_problem(key)) == 64
     alone = replace(key, chunk_size=64, states_returned=False)
-    for dstate, occupancy in ((16, 2), (32, 2), (48, 2), (64, 2), (128, None), (256, None)):
-        walk = ssd.make_plan(replace(alone, dstate=dstate)).scan_out
-        assert (walk.precision, walk.state_precision, walk.occupancy) == \
-            ("2xfp16", "2xfp16", occupancy), dstate
-        returned = ssd.make_plan(replace(alone, dstate=dstate, states_returned=True)).scan_out
-        assert (returned.state_precision, returned.occupancy) == ("3xfp16", occupancy), dstate
-        both = ssd.make_plan(replace(alone, dstate=dstate, has_d=True, z_dtype=torch.float16))
-        assert (both.scan_out is not None) == (occupancy == 2), dstate
+    for capability, paired_up_to in ((80, 64), (90, 128), (100, 64)):
+        for dstate in (16, 32, 48, 64, 128, 256):
+            occupancy = 2 if dstate <= paired_up_to else None
+            transposed = occupancy == 2 and dstate == 128
+            plan = functools.partial(ssd.make_plan, capability=capability)
+            walk = plan(replace(alone, dstate=dstate)).scan_out
+            assert (walk.precision, walk.state_precision, walk.occupancy,
+                    walk.out_transposed) == ("2xfp16", "2xfp16", occupancy, transposed), dstate
+            returned = plan(replace(alone, dstate=dstate, states_returned=True)).scan_out
+            assert (returned.state_precision, returned.occupancy, returned.out_transposed) == \
+                ("3xfp16", occupancy, transposed), dstate
+            both = plan(replace(alone, dstate=dstate, has_d=True, z_dtype=torch.float16))
+            assert (both.scan_out is not None) == (occupancy == 2), dstate
+            if occupancy == 2:
+                assert both.scan_out.out_transposed == transposed, dstate
+    both = replace(key, dstate=128, has_d=True, z_dtype=torch.float16)
+    assert ssd.default_chunk_size(_meta_problem(both)) == 64
     two_rows = replace(alone, batch=2)
     for dstate, state_mode in ((32, "2xfp16"), (64, "3xfp16"), (128, "2xfp16")):
         walk = ssd.make_plan(replace(two_rows, dstate=dstate)).scan_out
-        assert (walk.state_precision, walk.occupancy) == (state_mode, None), dstate
+        assert (walk.state_precision, walk.occupancy, walk.out_transposed) == \
+            (state_mode, None, False), dstate
     assert ssd.make_plan(alone, precision="3xfp16").scan_out is None
 
 
@@ -484,20 +499,21 @@ def test_the_walk_pairs_its_blocks_where_the_h200_ran_them_faster_paired(blocks,
     assert ssd.scan_out_occupancy(blocks, ssd.REFERENCE_SM_COUNT) == occupancy
 
 
-@pytest.mark.parametrize("mode, dstate, paired_at_384", [("input", 128, False),
-                                                         ("2xfp16", 64, True),
-                                                         ("3xbf16", 32, False)])
-def test_each_mode_pairs_its_walk_at_its_own_cost(mode, dstate, paired_at_384):
-    """``ssd.WALK_PAIRING``: at 384 blocks (6 rows of 64 heads: three rounds alone on 132 SMs,
-    two paired) the fp16 walk pairs (the H200 ran it 0.85x so), bf16's and float32's keep one
-    block an SM; all three pair at 512 and at 256, none at 128 or above their dstate."""
+@pytest.mark.parametrize("mode, dstate, capability, paired_at_384", [
+    ("input", 128, 90, False), ("2xfp16", 64, 80, True), ("2xfp16", 128, 90, True),
+    ("3xbf16", 32, 90, False)])
+def test_each_mode_pairs_its_walk_at_its_own_cost(mode, dstate, capability, paired_at_384):
+    """``ssd.walk_pairing``: at 384 blocks (6 rows of 64 heads: three rounds alone on 132 SMs,
+    two paired) the fp16 walk pairs (the H200 ran it 0.85x so at dstate 64, 0.92x at 128 on
+    sm_90), bf16's and float32's keep one block an SM; all three pair at 512 and at 256, none at
+    128 or above their dstate."""
     dtype = {"input": torch.bfloat16, "2xfp16": torch.float16, "3xbf16": torch.float32}[mode]
     key = replace(anchor_key(), dstate=dstate, x_dtype=dtype, b_dtype=dtype, c_dtype=dtype,
                   chunk_size=64, states_returned=False)
     for batch, paired in ((2, False), (4, True), (6, paired_at_384), (8, True)):
-        assert ssd.walk_occupancy(replace(key, batch=batch), mode, 132) == \
+        assert ssd.walk_occupancy(replace(key, batch=batch), mode, 132, capability) == \
             (2 if paired else None), batch
-    assert ssd.walk_occupancy(replace(key, dstate=2 * dstate), mode, 132) is None
+    assert ssd.walk_occupancy(replace(key, dstate=2 * dstate), mode, 132, capability) is None
 
 
 def test_the_walk_pairing_follows_the_gpus_sm_count():
