@@ -272,23 +272,25 @@ SCAN_OUT_PAIRED_COST = 1.68
 # registers, 8 bytes spilled, 70,248 bytes of shared memory; float32's dstate-32 walk 128
 # registers, no spill, 113,272 bytes; fp16's dstate-128 walk 253 registers, 95,024 bytes.
 WALK_PAIRING = {"input": (128, SCAN_OUT_PAIRED_COST), "2xfp16": (64, 1.32), "3xbf16": (32, 1.64)}
-# On compute capability 9.x fp16's walk pairs up to dstate 128 too, there computing out
-# transposed (``walk_out_transposed``): on sm_90 its block then takes 128 registers, no spill,
-# 93,384 bytes of shared memory (in out's orientation 252 and 95,024, which lost paired at
-# 50fd6c2 above). On the H200 at ee6262e against one block an SM, whole forward, outs equal bit
-# for bit (experiments/ab_fp16_walk_paired_n128_ee6262e.txt): 0.730-0.736x the time at 192, 256,
-# 512 and 1,024 blocks (8 x 4096 x 64 heads 1.035 -> 0.756 ms; headdim 128; 8 rows of 2,048
-# tokens), 0.924x at 384, 0.828x in 8 groups (its own scores, ``walk_shares_scores``), with z
-# 0.605x, D per head 0.507x, per channel 0.691x, final states 0.768x (their update in '3xfp16');
-# paired in out's orientation 1.19-1.58x (z 0.999x, D per head 0.875x). With both z and D, which
-# only a paired walk takes, 0.22-0.24x the two state kernels and compute_out at chunk 64, out's
-# error against float64 equal to 9 digits. A paired round's cost ~1.47 (1.39 at 384 blocks;
-# whole forwards): any cost between 1 and 1.5 pairs the same block counts (the fewest rounds
-# alone over paired above one round is 3/2). With both z and D it takes 128 registers, no spill,
-# 101,568 bytes. On the H100 at ee6262e the paired transposed walk took 0.63-0.93x at seven
+# On compute capability 9.x fp16's walk pairs up to dstate 128 too, there computing out transposed
+# (``walk_out_transposed``): on sm_90 its block then takes 128 registers, no spill, 93,384 bytes of
+# shared memory (in out's orientation 252 and 95,024, which lost paired at 50fd6c2 above). On the
+# H200 at ee6262e against one block an SM, whole forward, outs equal bit for bit
+# (experiments/ab_fp16_walk_paired_n128_ee6262e.txt): 0.730-0.736x the time at 192, 256, 512 and
+# 1,024 blocks (8 x 4096 x 64 heads 1.035 -> 0.756 ms; headdim 128; 8 rows of 2,048 tokens), 0.924x
+# at 384, 0.828x in 8 groups (its own scores, ``walk_shares_scores``), with z 0.605x, D per head
+# 0.507x, per channel 0.691x, final states 0.768x (their update in '3xfp16'); paired in out's
+# orientation 1.19-1.58x (z 0.999x, D per head 0.875x). With both z and D, which only a paired walk
+# takes, 0.22-0.24x the two state kernels and compute_out at chunk 64, out's error against float64
+# equal to 9 digits; chunk 256, which such calls took by default before, was not timed beside it
+# (new device loans paused): at ebba46f it took fp16's first anchor 1.486 ms out alone and 1.712
+# with z, against this walk's 0.874 with z and D (different runs). A paired round's cost ~1.47 (1.39
+# at 384 blocks; whole forwards): any cost between 1 and 1.5 pairs the same block counts (the fewest
+# rounds alone over paired above one round is 3/2). With both z and D it takes 128 registers, no
+# spill, 101,568 bytes. On the H100 at ee6262e the paired transposed walk took 0.63-0.93x at seven
 # calls (reports/h100/experiments/ab_t2_t2s_ee6262e.json). On sm_100 it takes 255 registers and
-# 118,108 bytes (two do not fit an SM's 228 KB) and on sm_80 spills 1,448 bytes, so only 9.x
-# takes this reach.
+# 118,108 bytes (two do not fit an SM's 228 KB) and on sm_80 spills 1,448 bytes, so only 9.x takes
+# this reach.
 WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # The mode the walk runs in for each x dtype: the dtype's default. Measured on the H200 against
 # chunk 256 and the two state kernels, which such calls took before: fp16 x (its '2xfp16'
