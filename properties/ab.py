@@ -6,8 +6,10 @@
 A case is a benchmark problem (``properties.bench.bench_spec``: bf16 x/B/C, fp32 dt/A, out alone)
 given as B,L,H,P,N,G, then ``ProblemSpec`` fields to change. An arm is a name, then fields of the
 plan's kernel configs to change, each ``<plan field>.<config field>=<value>`` (``kernels.ssd.Plan``:
-cumsum, out, state_scan, scan_out, segment_states, ...). Values are JSON (2, true, null, "bf16",
-[0.0, 6.0]) or else plain text; every name and type is checked before any GPU work.
+cumsum, out, state_scan, scan_out, segment_states, ...), and/or ``chunk_size=<n>``: the call at
+that chunk size as the dispatcher plans it (the same tensors), with any config changes on top; a
+dispatch rule that moves calls between chunk sizes is timed so. Values are JSON (2, true, null,
+"bf16", [0.0, 6.0]) or else plain text; every name and type is checked before any GPU work.
 
 Each case runs the dispatcher's plan ("dispatched") and every arm that applies to it (an arm
 naming a kernel the plan does not run is recorded as not applicable), all on the same inputs.
@@ -69,10 +71,17 @@ class Case:
 class Arm:
     name: str
     changes: dict        # plan field -> {config field: value}
+    chunk_size: int | None = None   # re-planned at this chunk size; None: the case's
 
     def describe(self) -> str:
-        return " ".join(f"{stage}.{name}={json.dumps(value, default=str)}"
-                        for stage, fields in self.changes.items() for name, value in fields.items())
+        return " ".join(([] if self.chunk_size is None else [f"chunk_size={self.chunk_size}"])
+                        + [f"{stage}.{name}={json.dumps(value, default=str)}"
+                           for stage, fields in self.changes.items()
+                           for name, value in fields.items()])
+
+    def replanned(self, chunk_size: int) -> int:
+        """The chunk size this arm's plan is made at, for a case at ``chunk_size``."""
+        return chunk_size if self.chunk_size is None else self.chunk_size
 
 
 def parse_value(text: str) -> Any:
@@ -154,16 +163,24 @@ def _config_classes() -> dict:
 
 
 def parse_arm(text: str) -> Arm:
-    """'NAME plan_field.config_field=value ...' -> an Arm, names and types checked."""
+    """'NAME [chunk_size=n] plan_field.config_field=value ...' -> an Arm, names and types
+    checked."""
     words = text.split()
     if len(words) < 2 or not ARM_NAME.fullmatch(words[0]) or words[0] == DISPATCHED:
         raise ValueError(f"--arm: expected a name (letters, digits, '_', '.', '-'; not "
-                         f"{DISPATCHED!r}) and then plan_field.config_field=value words, got "
-                         f"{text!r}")
+                         f"{DISPATCHED!r}) and then chunk_size=n or plan_field.config_field=value "
+                         f"words, got {text!r}")
     classes = _config_classes()
     changes: dict = {}
+    chunk_size = None
     for item in words[1:]:
         path, value = _split_assignment("--arm", text, item)
+        if path == "chunk_size":
+            if isinstance(value, bool) or value not in ssd.SUPPORTED_CHUNK_SIZES:
+                raise ValueError(f"--arm: chunk_size expected one of "
+                                 f"{ssd.SUPPORTED_CHUNK_SIZES}, got {value!r} in {text!r}")
+            chunk_size = value
+            continue
         stage, _, field = path.partition(".")
         if stage not in classes:
             raise ValueError(f"--arm: expected a kernel config of the plan ({', '.join(classes)})"
@@ -173,7 +190,7 @@ def parse_arm(text: str) -> Arm:
             raise ValueError(f"--arm: expected a field of {classes[stage].__name__} after "
                              f"'{stage}.' ({', '.join(hints)}), got {field!r} in {text!r}")
         changes.setdefault(stage, {})[field] = coerce("--arm", stage, field, hints[field], value)
-    return Arm(words[0], changes)
+    return Arm(words[0], changes, chunk_size)
 
 
 def apply_arm(plan, arm: Arm):
@@ -220,12 +237,16 @@ def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = 
     record: dict = dict(case=case.text, spec=dataclasses.asdict(case.spec), arms={DISPATCHED: {}})
     pipelines = {DISPATCHED: base}
     for arm in arms:
-        plan = apply_arm(base.plan, arm)
+        chunk_size = arm.replanned(problem.chunk_size)
+        replanned = base if chunk_size == problem.chunk_size else ssd.stage_pipeline(
+            dataclasses.replace(problem, chunk_size=chunk_size),
+            varlen=case.spec.return_varlen_states)
+        plan = apply_arm(replanned.plan, arm)
         if isinstance(plan, str):
             record["arms"][arm.name] = dict(changes=arm.describe(), not_applicable=plan)
             continue
         record["arms"][arm.name] = dict(changes=arm.describe())
-        pipelines[arm.name] = dataclasses.replace(base, plan=plan)
+        pipelines[arm.name] = dataclasses.replace(replanned, plan=plan)
     record["dispatched"] = {stage: {k: str(v) for k, v in dataclasses.asdict(
         getattr(base.plan, stage)).items()} for arm in arms for stage in arm.changes
         if getattr(base.plan, stage) is not None}
@@ -301,12 +322,14 @@ def compile_case(case: Case, arms: list[Arm], target: str, done: dict) -> dict:
     record: dict = dict(case=case.text, spec=dataclasses.asdict(case.spec), target=target,
                         arms={DISPATCHED: dict(kernels=compiled_kernels(key, base, target, done))})
     for arm in arms:
-        plan = apply_arm(base, arm)
+        arm_key = dataclasses.replace(key, chunk_size=arm.replanned(key.chunk_size))
+        plan = apply_arm(base if arm_key == key else ssd.make_plan(
+            arm_key, capability=variants.target_capability(target)), arm)
         if isinstance(plan, str):
             record["arms"][arm.name] = dict(changes=arm.describe(), not_applicable=plan)
         else:
             record["arms"][arm.name] = dict(changes=arm.describe(),
-                                            kernels=compiled_kernels(key, plan, target, done))
+                                            kernels=compiled_kernels(arm_key, plan, target, done))
     return record
 
 
@@ -344,7 +367,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "return_final_states=true z=true D=channel ...)")
     parser.add_argument("--arm", action="append", required=True, metavar="'NAME stage.field=v ...'",
                         help="a named change of the plan's kernel configs (repeatable), e.g. "
-                             "'t2 scan_out.occupancy=2 scan_out.out_transposed=true'")
+                             "'t2 scan_out.occupancy=2 scan_out.out_transposed=true', or of "
+                             "its chunk size, re-planned: 'q256 chunk_size=256'")
     parser.add_argument("--chunk-size", type=int, default=64,
                         help="the cases' chunk size (default 64, where the walk runs)")
     parser.add_argument("--rounds", type=int, default=5)

@@ -57,6 +57,15 @@ def test_an_arm_names_config_fields_of_the_plan_with_values_of_their_types():
                            "cumsum": dict(head_block=8)}
     assert ab.parse_arm("none scan_out.occupancy=null").changes == {"scan_out": {"occupancy": None}}
     assert "scan_out.out_transposed=true" in arm.describe()
+    assert arm.chunk_size is None and arm.replanned(64) == 64
+
+
+def test_an_arm_may_replan_the_call_at_another_chunk_size():
+    arm = ab.parse_arm("q256 chunk_size=256 out.row_block=32")
+    assert (arm.chunk_size, arm.changes) == (256, {"out": dict(row_block=32)})
+    assert arm.replanned(64) == 256
+    assert arm.describe() == "chunk_size=256 out.row_block=32"
+    assert ab.parse_arm("q128 chunk_size=128") == ab.Arm("q128", {}, 128)
 
 
 @pytest.mark.parametrize("text, named", [
@@ -71,6 +80,9 @@ def test_an_arm_names_config_fields_of_the_plan_with_values_of_their_types():
     ("t2 scan_out.b_latency=1.5", "scan_out.b_latency expected int, got 1.5"),
     ("t2 scan_out.precision=3", "scan_out.precision expected str, got 3"),
     ("t2 scan_out.x_dtype=fp8", "scan_out.x_dtype expected dtype"),
+    ("q chunk_size=100", "chunk_size expected one of (64, 128, 256), got 100"),
+    ("q chunk_size=true", "chunk_size expected one of (64, 128, 256), got True"),
+    ("q chunk_size=big", "chunk_size expected one of (64, 128, 256), got 'big'"),
 ])
 def test_a_bad_arm_is_refused_naming_what_was_expected(text, named):
     with pytest.raises(ValueError, match="--arm") as refused:
@@ -181,6 +193,43 @@ def test_one_case_end_to_end_with_stand_ins(monkeypatch):
     lines = ab.format_record(record)
     assert lines[0] == spec_text and "1.000x" in lines[2] and "failed to compile" in lines[4]
     json.dumps(record)      # the record is JSON as it stands
+
+
+def test_a_chunk_size_arm_times_the_call_replanned_on_the_same_tensors(monkeypatch):
+    case = ab.parse_case("2,300,8,16,16,2 z=true D=channel", 64)
+    plan = _plan()
+    planned = []
+
+    def stage_pipeline(problem, varlen):
+        planned.append(problem)
+        return _StandInPipeline(problem, plan)
+
+    monkeypatch.setattr(ssd, "stage_pipeline", stage_pipeline)
+    monkeypatch.setattr(ssd, "launch_stages", _stand_in_launch)
+    monkeypatch.setattr(bench, "CudaTimer", _CountingTimer)
+    arms = [ab.parse_arm("q256 chunk_size=256"), ab.parse_arm("q64 chunk_size=64")]
+    record = ab.run_case(case, arms, rounds=1, reps=2, device="cpu")
+    assert [p.chunk_size for p in planned] == [64, 256]     # q64 reuses the dispatched plan
+    assert planned[1].x is planned[0].x and planned[1].B is planned[0].B
+    found = record["arms"]
+    assert found["q64"]["bit_equal"] and found["q64"]["changes"] == "chunk_size=64"
+    # The stand-in is the chunked reference: another chunk size moves only its roundings (out
+    # in bf16: a few of its ulps, out's error against float64 the same to 2 digits).
+    errors = {name: found[name]["error"]["normwise_rel"] for name in ("dispatched", "q256")}
+    assert not found["q256"]["bit_equal"] and 0 < found["q256"]["max_abs_diff"] < 1e-3
+    assert errors["q256"] == pytest.approx(errors["dispatched"], rel=1e-2)
+
+
+def test_a_chunk_size_arm_compiles_the_plan_made_at_that_size(monkeypatch):
+    seen = []
+    monkeypatch.setattr(ab, "compiled_kernels", lambda key, plan, target, done: seen.append(
+        (key.chunk_size, [name for name, _ in plan.named_configs()])) or {})
+    case = ab.parse_case("8,4096,64,64,128,1 x_dtype=fp16 bc_dtype=fp16 z=true D=channel", 64)
+    record = ab.compile_case(case, [ab.parse_arm("q256 chunk_size=256")], "sm_90", {})
+    assert seen == [(64, ["chunk_cumsum", "chunk_scores", "scan_out"]),
+                    (256, ["chunk_cumsum", "chunk_state", "state_passing", "chunk_scores",
+                           "compute_out"])]
+    assert record["arms"]["q256"]["changes"] == "chunk_size=256"
 
 
 def test_a_case_whose_dispatched_plan_fails_says_so(monkeypatch):
