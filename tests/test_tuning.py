@@ -422,10 +422,10 @@ def test_fp16_calls_walk_in_their_default_mode_paired_up_to_dstate_128_on_sm90()
     assert ssd.default_chunk_size(_meta_problem(key)) == 64
     alone = replace(key, chunk_size=64, states_returned=False)
     for capability, paired_up_to in ((80, 64), (90, 128), (100, 64)):
+        plan = functools.partial(ssd.make_plan, capability=capability)
         for dstate in (16, 32, 48, 64, 128, 256):
             occupancy = 2 if dstate <= paired_up_to else None
             transposed = occupancy == 2 and dstate == 128
-            plan = functools.partial(ssd.make_plan, capability=capability)
             walk = plan(replace(alone, dstate=dstate)).scan_out
             assert (walk.precision, walk.state_precision, walk.occupancy,
                     walk.out_transposed) == ("2xfp16", "2xfp16", occupancy, transposed), dstate
