@@ -8,8 +8,13 @@ given as B,L,H,P,N,G, then ``ProblemSpec`` fields to change. An arm is a name, t
 plan's kernel configs to change, each ``<plan field>.<config field>=<value>`` (``kernels.ssd.Plan``:
 cumsum, out, state_scan, scan_out, segment_states, ...), and/or ``chunk_size=<n>``: the call at
 that chunk size as the dispatcher plans it (the same tensors), with any config changes on top; a
-dispatch rule that moves calls between chunk sizes is timed so. Values are JSON (2, true, null,
-"bf16", [0.0, 6.0]) or else plain text; every name and type is checked before any GPU work.
+dispatch rule that moves calls between chunk sizes is timed so. ``ssd.<NAME>=<value>`` (or
+``ssd.<NAME>.<key>=<value>`` for an item of a dict) plans the arm with one of kernels.ssd's
+dispatch constants changed (``WALK_MIN_SPLIT_ROW_HEADS``, ``WALK_PAIRING.input``, ...; the
+constants read when a call is planned, e.g. which calls the walk takes and in how many
+segments), so that a new rule is timed by this command before it is written; an arm whose
+constants leave the plan as dispatched is recorded as not applicable. Values are JSON (2, true,
+null, "bf16", [0.0, 6.0]) or else plain text; every name and type is checked before any GPU work.
 
 Each case runs the dispatcher's plan ("dispatched") and every arm that applies to it (an arm
 naming a kernel the plan does not run is recorded as not applicable), all on the same inputs.
@@ -32,6 +37,7 @@ cases it finished; an existing file is never overwritten.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -55,6 +61,8 @@ from properties.regimes import REGIMES
 SCHEMA = "mamba2-cutile ab 1"
 DISPATCHED = "dispatched"
 ARM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+RULE_PREFIX = "ssd."
+RULE_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 # The ProblemSpec fields that name one of a few things (build_problem would fail on others late).
 CASE_CHOICES = {**{name: set(DTYPES) for name in ("x_dtype", "bc_dtype", "param_dtype",
                                                   "state_dtype")},
@@ -72,12 +80,24 @@ class Arm:
     name: str
     changes: dict        # plan field -> {config field: value}
     chunk_size: int | None = None   # re-planned at this chunk size; None: the case's
+    # kernels.ssd's dispatch constants the arm is planned with: (NAME, dict key or None) -> value
+    rules: dict = dataclasses.field(default_factory=dict)
 
     def describe(self) -> str:
+        def word(name: str, value) -> str:      # one word a change, as parse_arm reads it
+            return f"{name}={json.dumps(value, default=str, separators=(',', ':'))}"
+
         return " ".join(([] if self.chunk_size is None else [f"chunk_size={self.chunk_size}"])
-                        + [f"{stage}.{name}={json.dumps(value, default=str)}"
+                        + [word(RULE_PREFIX + name + ("" if key is None else "." + key), value)
+                           for (name, key), value in self.rules.items()]
+                        + [word(f"{stage}.{name}", value)
                            for stage, fields in self.changes.items()
                            for name, value in fields.items()])
+
+    def replans(self, chunk_size: int) -> bool:
+        """Whether this arm's plan is made anew for a case at ``chunk_size`` (another chunk
+        size or dispatch constants), not changed from the dispatched one."""
+        return self.replanned(chunk_size) != chunk_size or bool(self.rules)
 
     def replanned(self, chunk_size: int) -> int:
         """The chunk size this arm's plan is made at, for a case at ``chunk_size``."""
@@ -172,6 +192,7 @@ def parse_arm(text: str) -> Arm:
                          f"words, got {text!r}")
     classes = _config_classes()
     changes: dict = {}
+    rules: dict = {}
     chunk_size = None
     for item in words[1:]:
         path, value = _split_assignment("--arm", text, item)
@@ -180,6 +201,10 @@ def parse_arm(text: str) -> Arm:
                 raise ValueError(f"--arm: chunk_size expected one of "
                                  f"{ssd.SUPPORTED_CHUNK_SIZES}, got {value!r} in {text!r}")
             chunk_size = value
+            continue
+        if path.startswith(RULE_PREFIX):
+            rule, value = parse_rule(text, path.removeprefix(RULE_PREFIX), value)
+            rules[rule] = value
             continue
         stage, _, field = path.partition(".")
         if stage not in classes:
@@ -190,7 +215,51 @@ def parse_arm(text: str) -> Arm:
             raise ValueError(f"--arm: expected a field of {classes[stage].__name__} after "
                              f"'{stage}.' ({', '.join(hints)}), got {field!r} in {text!r}")
         changes.setdefault(stage, {})[field] = coerce("--arm", stage, field, hints[field], value)
-    return Arm(words[0], changes, chunk_size)
+    return Arm(words[0], changes, chunk_size, rules)
+
+
+def parse_rule(text: str, path: str, value: Any) -> tuple[tuple[str, str | None], Any]:
+    """'NAME' or 'NAME.key' (after 'ssd.') and its value -> ((NAME, key or None), the value as
+    the type of the constant, or of the dict's items), a ValueError naming what is wrong."""
+    name, dot, key = path.partition(".")
+    if not RULE_NAME.fullmatch(name) or not hasattr(ssd, name):
+        raise ValueError(f"--arm: expected a dispatch constant of kernels.ssd after "
+                         f"'{RULE_PREFIX}' (upper case, e.g. WALK_MIN_SPLIT_ROW_HEADS), got "
+                         f"{name!r} in {text!r}")
+    current = getattr(ssd, name)
+    if isinstance(current, dict):
+        if not dot or not key or not current or not all(isinstance(k, str) for k in current):
+            raise ValueError(f"--arm: {RULE_PREFIX}{name} is a dict: expected "
+                             f"{RULE_PREFIX}{name}.<key>=value, its keys text, got {path!r} in "
+                             f"{text!r} (keys: {list(current)})")
+        current = current.get(key, next(iter(current.values())))
+    elif dot:
+        raise ValueError(f"--arm: {RULE_PREFIX}{name} is no dict, so takes no '.<key>', got "
+                         f"{path!r} in {text!r}")
+    if not isinstance(current, (bool, int, float, str, tuple)):
+        raise ValueError(f"--arm: {RULE_PREFIX}{path} is a {type(current).__name__}: expected a "
+                         f"constant that is a number, text or tuple, or a dict of them, in "
+                         f"{text!r}")
+    return (name, key if dot else None), coerce("--arm", "ssd", path, type(current), value)
+
+
+@contextlib.contextmanager
+def dispatch_rules(rules: dict):
+    """kernels.ssd's dispatch constants as ``rules`` set them, within (a dict's item in a copy
+    of the dict); the plan cache is cleared going in and coming out, so that a plan made within
+    is the rules' and one made after is the dispatcher's."""
+    saved = []
+    try:
+        for (name, key), value in rules.items():
+            current = getattr(ssd, name)
+            saved.append((name, current))
+            setattr(ssd, name, value if key is None else {**current, key: value})
+        ssd._plan.cache_clear()
+        yield
+    finally:
+        for name, current in reversed(saved):
+            setattr(ssd, name, current)
+        ssd._plan.cache_clear()
 
 
 def apply_arm(plan, arm: Arm):
@@ -202,6 +271,15 @@ def apply_arm(plan, arm: Arm):
             return (f"the plan does not launch its {stage} (it launches "
                     f"{', '.join(name for name, _ in plan.named_configs())})")
     return plan.with_knobs(arm.changes)
+
+
+def arm_plan(arm: Arm, dispatched, replanned, same_chunk_size: bool):
+    """The arm's plan (``apply_arm`` on ``replanned``, the plan made for it), or a str saying why
+    it does not apply: that, or dispatch constants that leave the plan as ``dispatched`` at the
+    same chunk size."""
+    if arm.rules and same_chunk_size and replanned == dispatched:
+        return "its dispatch constants leave the plan as dispatched"
+    return apply_arm(replanned, arm)
 
 
 def interleaved_times(calls: dict[str, Callable[[], Any]], rounds: int, reps: int,
@@ -237,16 +315,22 @@ def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = 
     record: dict = dict(case=case.text, spec=dataclasses.asdict(case.spec), arms={DISPATCHED: {}})
     pipelines = {DISPATCHED: base}
     for arm in arms:
-        chunk_size = arm.replanned(problem.chunk_size)
-        replanned = base if chunk_size == problem.chunk_size else ssd.stage_pipeline(
-            dataclasses.replace(problem, chunk_size=chunk_size),
-            varlen=case.spec.return_varlen_states)
-        plan = apply_arm(replanned.plan, arm)
+        replanned = base
+        if arm.replans(problem.chunk_size):
+            with dispatch_rules(arm.rules):
+                replanned = ssd.stage_pipeline(
+                    dataclasses.replace(problem, chunk_size=arm.replanned(problem.chunk_size)),
+                    varlen=case.spec.return_varlen_states)
+        plan = arm_plan(arm, base.plan, replanned.plan,
+                        replanned.problem.chunk_size == problem.chunk_size)
         if isinstance(plan, str):
             record["arms"][arm.name] = dict(changes=arm.describe(), not_applicable=plan)
             continue
         record["arms"][arm.name] = dict(changes=arm.describe())
         pipelines[arm.name] = dataclasses.replace(replanned, plan=plan)
+    for name, pipeline in pipelines.items():
+        record["arms"][name]["launches"] = [kernel for kernel, _ in
+                                            pipeline.plan.named_configs()]
     record["dispatched"] = {stage: {k: str(v) for k, v in dataclasses.asdict(
         getattr(base.plan, stage)).items()} for arm in arms for stage in arm.changes
         if getattr(base.plan, stage) is not None}
@@ -323,8 +407,11 @@ def compile_case(case: Case, arms: list[Arm], target: str, done: dict) -> dict:
                         arms={DISPATCHED: dict(kernels=compiled_kernels(key, base, target, done))})
     for arm in arms:
         arm_key = dataclasses.replace(key, chunk_size=arm.replanned(key.chunk_size))
-        plan = apply_arm(base if arm_key == key else ssd.make_plan(
-            arm_key, capability=variants.target_capability(target)), arm)
+        replanned = base
+        if arm.replans(key.chunk_size):
+            with dispatch_rules(arm.rules):
+                replanned = ssd.make_plan(arm_key, capability=variants.target_capability(target))
+        plan = arm_plan(arm, base, replanned, arm_key == key)
         if isinstance(plan, str):
             record["arms"][arm.name] = dict(changes=arm.describe(), not_applicable=plan)
         else:
@@ -368,7 +455,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arm", action="append", required=True, metavar="'NAME stage.field=v ...'",
                         help="a named change of the plan's kernel configs (repeatable), e.g. "
                              "'t2 scan_out.occupancy=2 scan_out.out_transposed=true', or of "
-                             "its chunk size, re-planned: 'q256 chunk_size=256'")
+                             "its chunk size or kernels.ssd's dispatch constants, re-planned: "
+                             "'q256 chunk_size=256', 'w80 ssd.WALK_MIN_SPLIT_ROW_HEADS=80'")
     parser.add_argument("--chunk-size", type=int, default=64,
                         help="the cases' chunk size (default 64, where the walk runs)")
     parser.add_argument("--rounds", type=int, default=5)

@@ -83,11 +83,56 @@ def test_an_arm_may_replan_the_call_at_another_chunk_size():
     ("q chunk_size=100", "chunk_size expected one of (64, 128, 256), got 100"),
     ("q chunk_size=true", "chunk_size expected one of (64, 128, 256), got True"),
     ("q chunk_size=big", "chunk_size expected one of (64, 128, 256), got 'big'"),
+    ("w ssd.walk_segments=1", "a dispatch constant of kernels.ssd"),
+    ("w ssd.NO_SUCH_RULE=1", "a dispatch constant of kernels.ssd"),
+    ("w ssd.WALK_PAIRING=[64,1.5]", "ssd.WALK_PAIRING is a dict: expected ssd.WALK_PAIRING.<key>"),
+    ("w ssd.WALK_MODES.bf16=input", "ssd.WALK_MODES is a dict"),     # keys are dtypes
+    ("w ssd.WALK_MIN_SPLIT_ROW_HEADS.x=1", "takes no '.<key>'"),
+    ("w ssd.WALK_MIN_SPLIT_ROW_HEADS=1.5", "ssd.WALK_MIN_SPLIT_ROW_HEADS expected int, got 1.5"),
+    ("w ssd.WALK_X_LATENCY=true", "ssd.WALK_X_LATENCY expected int, got True"),
+    ("w ssd.WALK_PAIRING.input=64", "ssd.WALK_PAIRING.input expected tuple, got 64"),
+    ("w ssd.TUNED.x={}", "ssd.TUNED.x is a dict: expected a constant that is a number"),
 ])
 def test_a_bad_arm_is_refused_naming_what_was_expected(text, named):
     with pytest.raises(ValueError, match="--arm") as refused:
         ab.parse_arm(text)
     assert named in str(refused.value)
+
+
+def test_an_arm_may_plan_the_call_with_dispatch_constants_changed():
+    arm = ab.parse_arm("w80 ssd.WALK_MIN_SPLIT_ROW_HEADS=80 ssd.WALK_PAIRING.input=[64,1.5] "
+                       "ssd.SCAN_OUT_PAIRED_COST=2 scan_out.b_latency=0")
+    assert arm.rules == {("WALK_MIN_SPLIT_ROW_HEADS", None): 80,
+                         ("WALK_PAIRING", "input"): (64, 1.5), ("SCAN_OUT_PAIRED_COST", None): 2.0}
+    assert arm.changes == {"scan_out": dict(b_latency=0)} and arm.chunk_size is None
+    assert arm.replans(64) and not ab.parse_arm("q chunk_size=64").replans(64)
+    assert ab.parse_arm("w80 " + arm.describe()) == arm     # the record's words replay it
+    # A dict's new key takes the type of its items.
+    assert ab.parse_arm("p ssd.WALK_PAIRING_SM90.input=[256,1.4]").rules == {
+        ("WALK_PAIRING_SM90", "input"): (256, 1.4)}
+
+
+def _walks(key) -> bool:
+    return ssd.make_plan(key, capability=90).scan_out is not None
+
+
+def test_dispatch_constants_hold_while_the_arm_is_planned_and_no_longer():
+    key = dataclasses.replace(_anchor(8, 4096, 64, 1), chunk_size=64, states_returned=False)
+    before = ssd.make_plan(key, capability=90)
+    assert _walks(key)
+    arm = ab.parse_arm("nowalk ssd.SCAN_OUT_MIN_ROW_HEADS=1024 ssd.WALK_MIN_SPLIT_ROW_HEADS=1024 "
+                       "ssd.WALK_PAIRING.input=[64,1.5] ssd.WALK_PAIRING.2xfp16=[32,1.4]")
+    pairing = ssd.WALK_PAIRING
+    with ab.dispatch_rules(arm.rules):
+        assert ssd.SCAN_OUT_MIN_ROW_HEADS == 1024
+        assert ssd.WALK_PAIRING == {**pairing, "input": (64, 1.5), "2xfp16": (32, 1.4)}
+        assert not _walks(key)      # planned anew, not the plan cached before
+    assert ssd.WALK_PAIRING is pairing and pairing["input"] != (64, 1.5)
+    assert ssd.SCAN_OUT_MIN_ROW_HEADS != 1024
+    assert ssd.make_plan(key, capability=90) == before
+    with pytest.raises(RuntimeError), ab.dispatch_rules(arm.rules):
+        raise RuntimeError("an arm that fails to plan")
+    assert ssd.SCAN_OUT_MIN_ROW_HEADS != 1024 and _walks(key)
 
 
 def _plan() -> ssd.Plan:
@@ -230,6 +275,51 @@ def test_a_chunk_size_arm_compiles_the_plan_made_at_that_size(monkeypatch):
                     (256, ["chunk_cumsum", "chunk_state", "state_passing", "chunk_scores",
                            "compute_out"])]
     assert record["arms"]["q256"]["changes"] == "chunk_size=256"
+
+
+def test_a_dispatch_constants_arm_is_timed_on_the_plan_made_under_them(monkeypatch):
+    case = ab.parse_case("2,300,8,16,16,2", 64)
+    plan = _plan()
+    planned = []
+
+    def stage_pipeline(problem, varlen):
+        # A stand-in dispatcher that reads one constant: out transposed where it is 1.
+        planned.append(ssd.WALK_X_LATENCY)
+        transposed = dataclasses.replace(plan.scan_out, out_transposed=True)
+        return _StandInPipeline(problem, dataclasses.replace(
+            plan, scan_out=transposed if ssd.WALK_X_LATENCY == 1 else plan.scan_out))
+
+    monkeypatch.setattr(ssd, "stage_pipeline", stage_pipeline)
+    monkeypatch.setattr(ssd, "launch_stages", _stand_in_launch)
+    monkeypatch.setattr(bench, "CudaTimer", _CountingTimer)
+    latency = ssd.WALK_X_LATENCY
+    arms = [ab.parse_arm("x1 ssd.WALK_X_LATENCY=1"),
+            ab.parse_arm(f"same ssd.WALK_X_LATENCY={latency}")]
+    record = ab.run_case(case, arms, rounds=1, reps=2, device="cpu")
+    assert planned == [latency, 1, latency] and ssd.WALK_X_LATENCY == latency
+    found = record["arms"]
+    assert not found["x1"]["bit_equal"] and found["x1"]["changes"] == "ssd.WALK_X_LATENCY=1"
+    assert found["same"]["not_applicable"] == "its dispatch constants leave the plan as dispatched"
+    assert found["x1"]["launches"] == found["dispatched"]["launches"] == [
+        "chunk_cumsum", "chunk_scores", "scan_out"]
+
+
+def test_a_dispatch_constants_arm_compiles_the_plan_made_under_them(monkeypatch):
+    seen = []
+    monkeypatch.setattr(ab, "compiled_kernels", lambda key, plan, target, done: seen.append(
+        [name for name, _ in plan.named_configs()]) or {})
+    # 1 x 65536 x 80 heads (Mamba-2 2.7B at batch 1) falls between the walk's rules: too many
+    # pairs to split in one round one block an SM, too few to walk unsplit.
+    case = ab.parse_case("1,65536,80,64,128,1", 64)
+    arms = [ab.parse_arm("w80 ssd.WALK_MIN_SPLIT_ROW_HEADS=80"),
+            ab.parse_arm("w80s2 ssd.WALK_MIN_SPLIT_ROW_HEADS=80 ssd.WALK_PAIRED_SEGMENTS_FROM=1"),
+            ab.parse_arm("same ssd.WALK_MIN_SPLIT_ROW_HEADS=96")]
+    record = ab.compile_case(case, arms, "sm_90", {})
+    assert seen == [["chunk_cumsum", "state_scan", "chunk_scores", "compute_out"],
+                    ["chunk_cumsum", "chunk_scores", "scan_out"],
+                    ["chunk_cumsum", "segment_states", "entering_states", "chunk_scores",
+                     "scan_out"]]
+    assert record["arms"]["same"]["not_applicable"].startswith("its dispatch constants leave")
 
 
 def test_a_case_whose_dispatched_plan_fails_says_so(monkeypatch):
