@@ -94,6 +94,14 @@ VARIANTS = (("headdim", dict(headdim=128)), ("dstate", dict(dstate=64)),
             ("dtype", dict(x_dtype="fp32", bc_dtype="fp32")),
             ("features", dict(z=True, D="channel")))
 
+# The SSD layers of published Mamba-2 models, as their configs give them (headdim 64, dstate
+# 128; nheads = 2 * d_model / 64), and two calls of each: a long prefill at batch 1 and a
+# training-sized batch. D per head, as the Mamba-2 layer passes it; without its dt_bias and
+# softplus, which fla's kernel does not take (every row runs the same problem).
+MODEL_LAYERS = (("mamba2-130m", 24, 1), ("mamba2-370m", 32, 1), ("mamba2-780m", 48, 1),
+                ("mamba2-1.3b", 64, 1), ("mamba2-2.7b", 80, 1), ("mamba-codestral-7b", 128, 8))
+MODEL_CALLS = ((1, 16384), (8, 2048))
+
 OURS = "ours"
 STAGES = ("chunk_cumsum", "fwd_pass_state", "compute_out")
 PEER_ROWS = ("mamba_ssm", "fla_kernel", "fla_e2e")
@@ -158,12 +166,12 @@ def bench_spec(dims, chunk_size: int, **changes) -> ProblemSpec:
     return dataclasses.replace(spec, **changes)
 
 
-SHAPE_SETS = ("anchors", "scaling", "variants", "all")
+SHAPE_SETS = ("anchors", "scaling", "variants", "all", "models")
 
 
 def bench_shapes(which: str, chunk_size: int, quick: bool = False) -> list[BenchShape]:
-    """The shapes of ``which`` (SHAPE_SETS; all = anchors, scaling, variants in that order),
-    deduplicated."""
+    """The shapes of ``which`` (SHAPE_SETS; all = anchors, scaling, variants in that order;
+    models, the published models' layers, apart), deduplicated."""
     if which not in SHAPE_SETS:
         raise ValueError(f"shapes: expected one of {', '.join(SHAPE_SETS)}, got {which!r}")
     found: dict[ProblemSpec, list[str]] = {}
@@ -185,6 +193,11 @@ def bench_shapes(which: str, chunk_size: int, quick: bool = False) -> list[Bench
     if which in ("variants", "all"):
         for knob, changes in VARIANTS:
             add(bench_spec(ANCHOR_DIMS[0], chunk_size, **changes), f"variant:{knob}")
+    if which == "models":
+        for model, nheads, ngroups in MODEL_LAYERS:
+            for batch, seqlen in MODEL_CALLS:
+                add(bench_spec((batch, seqlen, nheads, 64, 128, ngroups), chunk_size, D="head"),
+                    f"model:{model}")
     return [BenchShape(spec, tuple(tags)) for spec, tags in found.items()]
 
 
@@ -1090,7 +1103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", choices=SHAPE_SETS, default="anchors",
                         help="anchors: the three anchor shapes; scaling: seqlen 512..65536 at "
                              "batch 1 and 8; variants: the first anchor with one knob changed "
-                             "(headdim, dstate, ngroups, dtype, z and D); all: the three")
+                             "(headdim, dstate, ngroups, dtype, z and D); all: the three; "
+                             "models: the SSD layers of published Mamba-2 models (130m to 2.7b, "
+                             "Codestral 7B) at 1 x 16384 and 8 x 2048 tokens, D per head")
     parser.add_argument("--only", default=None, metavar="TEXT[,TEXT]",
                         help="of those shapes, only the ones whose label contains one of these "
                              "texts (e.g. 'N256,G8,fp32' of the variants)")
@@ -1102,7 +1117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for bench.json, bench.txt, bench_shapes.png and "
                              "bench_scaling.png (default "
-                             "reports/<device>/; with --check nothing is written unless given)")
+                             "reports/<device>/, reports/<device>/models/ for --shapes models; "
+                             "with --check nothing is written unless given)")
     parser.add_argument("--check", type=Path, default=None, metavar="BASELINE",
                         help="a committed bench.json: fail, naming the shape, where ours/peer time "
                              "ratio is worse than the baseline's by more than --margin")
@@ -1156,6 +1172,12 @@ def main(args: argparse.Namespace) -> int:
     return status
 
 
+def default_out_dir(shapes: str) -> Path:
+    """reports/<device>/, and for the models' layers a folder of their own there: a run of them
+    never replaces the shape sets' bench.json."""
+    return REPO_ROOT / "reports" / device_label() / ("models" if shapes == "models" else "")
+
+
 def _measure(args: argparse.Namespace) -> dict:
     if args.chunk_size is None:
         import kernels  # noqa: PLC0415
@@ -1171,7 +1193,7 @@ def _measure(args: argparse.Namespace) -> dict:
                          "FILE to print or --check an existing bench.json)")
     out_dir = args.out
     if out_dir is None and args.check is None:
-        out_dir = REPO_ROOT / "reports" / device_label()
+        out_dir = default_out_dir(args.shapes)
     if out_dir is not None and args.check is not None and \
             (Path(out_dir) / "bench.json").resolve() == Path(args.check).resolve():
         raise SystemExit(f"bench: --out would overwrite the baseline {args.check}; write the new "

@@ -108,6 +108,22 @@ def test_shapes():
         bench.bench_shapes("everything", 64)
 
 
+def test_the_models_shapes_are_the_published_layers_apart_from_all():
+    models = bench.bench_shapes("models", 64)
+    assert len(models) == 2 * len(bench.MODEL_LAYERS) == 12
+    labels = {s.label: s.tags for s in models}
+    assert labels["b1 L16384 H80 P64 N128 G1 bf16 +D/head"] == ("model:mamba2-2.7b",)
+    assert labels["b8 L2048 H128 P64 N128 G8 bf16 +D/head"] == ("model:mamba-codestral-7b",)
+    for shape in models:
+        spec = shape.spec
+        assert (spec.headdim, spec.dstate, spec.D, spec.chunk_size) == (64, 128, "head", 64)
+        assert not (spec.dt_bias or spec.dt_softplus or spec.z or spec.return_final_states)
+    assert not set(labels) & {s.label for s in bench.bench_shapes("all", 64)}
+    # Their run is written beside the shape sets' bench.json, never over it.
+    assert bench.default_out_dir("models") == bench.default_out_dir("all") / "models"
+    assert bench.default_out_dir("all") == bench.default_out_dir("anchors")
+
+
 def test_error_slices_of_the_anchors():
     first, second, third = (s.spec for s in bench.bench_shapes("anchors", 128))
     assert bench.error_slice(first) == (8, 64, 1)          # 2^21 row-heads: whole
