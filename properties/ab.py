@@ -132,7 +132,8 @@ def coerce(option: str, owner: str, field: str, hint, value: Any) -> Any:
     """``value`` as the type of ``owner.field`` (annotated ``hint``), or a ValueError naming it."""
     allowed = _allowed(hint)
     if torch.dtype in allowed and isinstance(value, str):
-        dtype = DTYPES.get(value, getattr(torch, value, None))
+        # 'bf16', 'bfloat16' or 'torch.bfloat16' (the last as a record's words write it)
+        dtype = DTYPES.get(value, getattr(torch, value.removeprefix("torch."), None))
         if isinstance(dtype, torch.dtype):
             return dtype
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):

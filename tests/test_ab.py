@@ -57,6 +57,7 @@ def test_an_arm_names_config_fields_of_the_plan_with_values_of_their_types():
                            "cumsum": dict(head_block=8)}
     assert ab.parse_arm("none scan_out.occupancy=null").changes == {"scan_out": {"occupancy": None}}
     assert "scan_out.out_transposed=true" in arm.describe()
+    assert ab.parse_arm("t2 " + arm.describe()) == arm      # the record's words replay it
     assert arm.chunk_size is None and arm.replanned(64) == 64
 
 
