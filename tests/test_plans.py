@@ -1,0 +1,146 @@
+"""Every plan the dispatcher can make, on the CPU: drawn calls of any size, dtype mix, feature set,
+precision mode and GPU (SM count, compute capability), planned by ``kernels.ssd.make_plan`` and
+run through the host code on meta tensors with the launches recorded
+(``kernels.variants.launch_signatures``, as CI's compiles do). The plan launches the kernels it
+names, in order, on grids CUDA can launch, and ``ssd_forward``'s chunk-size pick agrees with the
+plan made at the size it picks. The covering variants (tests/test_compile.py) pin what the anchors
+and the recipes launch; this is the rest of the space, where a user's call lands."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from hypothesis import example, given, strategies as st
+
+from kernels import ssd
+from kernels.variants import _anchor, launch_problem, launch_signatures, recorded_launches
+
+# CUDA's grid limits: x up to 2^31 - 1 blocks, y and z up to 65,535.
+GRID_LIMITS = (2 ** 31 - 1, 65535, 65535)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Precision modes per x dtype ('auto' is None), as ``ssd.resolve_precision`` accepts them.
+MODES = {x: [None] + [m for m in ssd.PRECISIONS
+                      if m in ssd.SPLIT_X_DTYPES and x in ssd.SPLIT_X_DTYPES[m][0]
+                      or m not in ssd.SPLIT_X_DTYPES and not (m == "input" and x == torch.float32)]
+         for x in DTYPES}
+# GPUs by (SMs, compute capability): A100, H100 PCIe, H200 (the reference), B200.
+GPUS = ((108, 80), (114, 90), (132, 90), (148, 100))
+
+
+# The most elements of x a drawn call has: 32 GiB in bf16, a quarter of an H200 (past 2^31, so
+# the 64-bit-indexed variants are drawn too).
+MAX_X_ELEMENTS = 2 ** 34
+
+
+@st.composite
+def calls(draw) -> ssd.ProblemKey:
+    """A call's key: sizes from one token to x of MAX_X_ELEMENTS, every feature flag, packed
+    sequences (cu_seqlens packs them into batch 1), whether states are returned and whether every
+    stage is (``ssd_forward_stages``). Half the
+    draws are calls as a Mamba-2 layer makes them (x, B and C in one 16-bit dtype, float32 dt, no
+    packing, no initial states), where most of the dispatch's rules apply."""
+    layer = draw(st.booleans())
+    nheads = draw(st.sampled_from((1, 3, 8, 24, 32, 48, 64, 80, 128, 256)) | st.integers(1, 512))
+    ngroups = draw(st.sampled_from([g for g in range(1, nheads + 1) if nheads % g == 0]))
+    if layer:
+        x_dtype = b_dtype = c_dtype = draw(st.sampled_from(DTYPES[:2]))
+        dt_dtype, packed, start_dtype = torch.float32, None, None
+    else:
+        x_dtype, b_dtype, c_dtype, dt_dtype = (draw(st.sampled_from(DTYPES)) for _ in range(4))
+        packed = draw(st.sampled_from((None, torch.int32, torch.int64)))
+        start_dtype = draw(st.sampled_from((None, *DTYPES)))
+    cu_seqlens = packed is not None and draw(st.booleans())
+    varlen = cu_seqlens and draw(st.booleans())
+    headdim = draw(st.sampled_from((64, 128)) | st.integers(1, ssd.MAX_HEADDIM))
+    seqlen = draw(st.sampled_from((1, 64, 1000, 4096, 65536)) | st.integers(1, 2 ** 19))
+    seqlen = min(seqlen, MAX_X_ELEMENTS // (nheads * headdim))
+    # 70,000 rows of short sequences: past 65,535 on a grid's second dimension.
+    batch = 1 if cu_seqlens else draw(st.sampled_from((1, 2, 8, 70000)) | st.integers(1, 70000))
+    batch = max(1, min(batch, MAX_X_ELEMENTS // (seqlen * nheads * headdim)))
+    return ssd.ProblemKey(
+        batch=batch, seqlen=seqlen, nheads=nheads, ngroups=ngroups, headdim=headdim,
+        dstate=draw(st.sampled_from((64, 128, 256)) | st.integers(1, ssd.MAX_DSTATE)),
+        chunk_size=draw(st.sampled_from(ssd.SUPPORTED_CHUNK_SIZES)),
+        x_dtype=x_dtype, b_dtype=b_dtype, c_dtype=c_dtype, dt_dtype=dt_dtype,
+        z_dtype=draw(st.sampled_from((None, x_dtype) if layer else (None, *DTYPES))),
+        start_dtype=start_dtype, seq_dtype=packed, cu_dtype=packed if cu_seqlens else None,
+        nseq=draw(st.integers(1, min(seqlen, 64))) if cu_seqlens else 0,
+        has_d=(has_d := draw(st.booleans())), d_per_channel=has_d and draw(st.booleans()),
+        has_bias=draw(st.booleans()), softplus=draw(st.booleans()), has_limit=draw(st.booleans()),
+        per_seq_start=cu_seqlens and start_dtype is not None and draw(st.booleans()),
+        varlen=varlen, states_returned=varlen or draw(st.booleans()),
+        chunk_states_returned=not layer and draw(st.booleans()))
+
+
+@st.composite
+def planned_calls(draw) -> tuple[ssd.ProblemKey, str | None]:
+    """A call (``calls``) and a precision mode its x dtype takes (None: 'auto')."""
+    key = draw(calls())
+    return key, draw(st.sampled_from(MODES[key.x_dtype]))
+
+
+def _layer(batch: int, seqlen: int, nheads: int, **changes) -> ssd.ProblemKey:
+    """A Mamba-2 layer's call at chunk 64: bf16, headdim 64, dstate 128, D per head, out alone."""
+    return dataclasses.replace(_anchor(batch, seqlen, nheads, 1, has_d=True),
+                               **{"chunk_size": 64, "states_returned": False, **changes})
+
+
+# Each rule's side, run in every profile besides the draws: the walk paired (the first anchor's
+# size), split into segments (the third's), the fused state scan (80 pairs: Mamba-2 2.7B at batch
+# 1), no fused kernel at chunk 64 (the same with final states), chunk_cumsum's flat grid.
+EXAMPLES = (_layer(8, 4096, 64), _layer(1, 65536, 64), _layer(1, 4096, 80),
+            _layer(1, 65536, 80, states_returned=True), _layer(70000, 64, 8))
+
+
+def on_examples(**others):
+    """``example`` for each of EXAMPLES in the default precision, ``others`` the test's other
+    arguments."""
+    def decorate(test):
+        for key in EXAMPLES:
+            test = example(call=(key, None), **others)(test)
+        return test
+    return decorate
+
+
+def _launch_grids(key: ssd.ProblemKey, plan: ssd.Plan) -> list[tuple[int, ...]]:
+    """The grid of each launch the host code makes for ``plan`` on ``key``'s call (meta tensors)."""
+    problem = launch_problem(key)
+    pipeline = ssd.StagePipeline(problem, plan, problem.A.to(torch.float32), problem.seq_idx,
+                                 key.varlen)
+    with recorded_launches() as launched:
+        dt, cumsum = pipeline.cumsum()
+        chunk_states, _, _ = pipeline.states(dt, cumsum)
+        pipeline.out(dt, cumsum, chunk_states)
+    return [tuple(grid) for grid, _, _ in launched]
+
+
+@given(call=planned_calls(), state_dtype=st.sampled_from((None, *ssd.STATE_DTYPES)),
+       gpu=st.sampled_from(GPUS))
+@on_examples(state_dtype=None, gpu=(132, 90))
+def test_every_plan_launches_its_kernels_on_grids_cuda_can_launch(call, state_dtype, gpu):
+    key, precision = call
+    sms, capability = gpu
+    plan = ssd.make_plan(key, state_dtype, precision, sms, capability)
+    # The launches are the plan's kernels, in its order, each with the signature of its config
+    # (launch_signatures asserts both).
+    assert [name for name, _, _ in launch_signatures(key, plan)] == [
+        name for name, _ in plan.named_configs()]
+    for grid in _launch_grids(key, plan):
+        assert 1 <= len(grid) <= 3, grid
+        assert all(1 <= n <= limit for n, limit in zip(grid, GRID_LIMITS)), (grid, plan)
+
+
+@given(call=planned_calls())
+@on_examples()
+def test_the_chunk_size_pick_agrees_with_the_plan_it_picks(call):
+    # ssd_forward(chunk_size=None) picks the chunk by default_chunk_size and then plans at it:
+    # 64 where a fused kernel (the state scan or the walk) takes the call, which the plan at 64
+    # must then hold; 256 where none would. (ssd_forward_stages plans at the problem's own size.)
+    key, precision = call
+    key = dataclasses.replace(key, chunk_states_returned=False)
+    problem = dataclasses.replace(launch_problem(key), return_final_states=key.states_returned)
+    picked = ssd.default_chunk_size(problem, precision, key.varlen)
+    at_64 = ssd.make_plan(dataclasses.replace(key, chunk_size=ssd.STATE_SCAN_CHUNK_SIZE),
+                          None, precision)
+    fused = at_64.state_scan is not None or at_64.scan_out is not None
+    assert picked == (ssd.STATE_SCAN_CHUNK_SIZE if fused else ssd.DEFAULT_CHUNK_SIZE)
