@@ -83,17 +83,25 @@ class PreparedInputs:
         return self.initial_states[b] if t == 0 else None
 
 
-def prepare(problem: SSDProblem, dtype=torch.float64, device=None) -> PreparedInputs:
-    """Upcast every input exactly (dtype is float64 or float32) and apply dt's bias/softplus/limit."""
+def step_sizes(problem: SSDProblem, dtype=torch.float64, device=None) -> torch.Tensor:
+    """The steps dt (b, L, H) after the call's bias, softplus and limit, computed in ``dtype``
+    from its inputs upcast exactly."""
     device = problem.device if device is None else device
-    up = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
-    dt = up(problem.dt)
+    dt = problem.dt.to(device=device, dtype=dtype)
     if problem.dt_bias is not None:
-        dt = dt + up(problem.dt_bias)
+        dt = dt + problem.dt_bias.to(device=device, dtype=dtype)
     if problem.dt_softplus:
         dt = softplus_exact(dt)
     if problem.has_dt_limit:
         dt = dt.clamp(problem.dt_limit[0], problem.dt_limit[1])
+    return dt
+
+
+def prepare(problem: SSDProblem, dtype=torch.float64, device=None) -> PreparedInputs:
+    """Upcast every input exactly (dtype is float64 or float32) and apply dt's bias/softplus/limit."""
+    device = problem.device if device is None else device
+    up = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    dt = step_sizes(problem, dtype, device)
     D = up(problem.D)
     if D is not None and D.dim() == 1:
         D = D[:, None].expand(problem.nheads, problem.headdim)

@@ -14,9 +14,9 @@ Rows (each times one call, with the problem's tensors already on the GPU):
     mamba_ssm_graph mamba_ssm's call captured and replayed as ours_graph
     fla_kernel      fla.ops.simple_gla.chunk_simple_gla(q=C, k=B, v=x*dt, g=A*dt, scale=1.0) on
                     operands prepared beforehand (B and C expanded to heads, v in x's dtype)
-    fla_e2e         the same from the contract's inputs: expansion, x*dt, A*dt, the kernel, then the
-                    D skip and z gate (plain torch ops) when the problem has them; what a caller
-                    pays to get ``out`` from fla
+    fla_e2e         the same from the contract's inputs: dt's bias, softplus and limit, expansion,
+                    x*dt, A*dt, the kernel, then the D skip and z gate (plain torch ops) when the
+                    problem has them; what a caller pays to get ``out`` from fla
 
 Timing, the same for every row and for the copy probe: the first call (compile, autotune) is not
 timed; then warm-up calls; then N timed calls, each preceded by an L2 flush (a 256 MiB memset, more
@@ -64,6 +64,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from oracles.common import step_sizes
 from properties.metrics import error_metrics
 from properties.problems import DTYPES, ProblemSpec, build_problem
 from properties.provenance import (REPO_ROOT, atomic_write, collect, device_label, read_document,
@@ -96,8 +97,7 @@ VARIANTS = (("headdim", dict(headdim=128)), ("dstate", dict(dstate=64)),
 
 # The SSD layers of published Mamba-2 models, as their configs give them (headdim 64, dstate
 # 128; nheads = 2 * d_model / 64), and two calls of each: a long prefill at batch 1 and a
-# training-sized batch. D per head, as the Mamba-2 layer passes it; without its dt_bias and
-# softplus, which fla's kernel does not take (every row runs the same problem).
+# training-sized batch. As the Mamba-2 layer calls it: D per head, dt_bias, softplus.
 MODEL_LAYERS = (("mamba2-130m", 24, 1), ("mamba2-370m", 32, 1), ("mamba2-780m", 48, 1),
                 ("mamba2-1.3b", 64, 1), ("mamba2-2.7b", 80, 1), ("mamba-codestral-7b", 128, 8))
 MODEL_CALLS = ((1, 16384), (8, 2048))
@@ -119,8 +119,9 @@ ROW_DESCRIPTIONS = {
     **{name + GRAPH: f"{name}'s call captured in a CUDA graph after a call outside capture, "
                      f"timed as the graph's replay (no host work)" for name in GRAPHED_ROWS},
     "fla_kernel": "chunk_simple_gla(q=C, k=B, v=x*dt, g=A*dt, scale=1.0) on prepared operands "
-                  "(B, C expanded to heads)",
-    "fla_e2e": "expansion, x*dt, A*dt, chunk_simple_gla, then D skip and z gate in torch",
+                  "(B, C expanded to heads; dt after its bias, softplus and limit)",
+    "fla_e2e": "dt's bias, softplus and limit, expansion, x*dt, A*dt, chunk_simple_gla, then D "
+               "skip and z gate in torch",
 }
 # --check judges ours' kernels: the sum of ours' stage rows (each stage's launches timed alone
 # queue behind the L2 flush, so no host time is inside their events) over the copy bound measured
@@ -151,7 +152,9 @@ def shape_label(spec: ProblemSpec) -> str:
     """'b8 L4096 H64 P64 N128 G1 bf16' (+z, +D/channel): the key of a shape in bench.json."""
     s = spec
     dtypes = s.x_dtype if s.x_dtype == s.bc_dtype else f"x={s.x_dtype} bc={s.bc_dtype}"
-    extras = (" +z" if s.z else "") + (f" +D/{s.D}" if s.D else "")
+    extras = ((" +z" if s.z else "") + (f" +D/{s.D}" if s.D else "")
+              + (" +dt_bias" if s.dt_bias else "") + (" +softplus" if s.dt_softplus else "")
+              + (" +dt_limit" if s.dt_limit else ""))
     return (f"b{s.batch} L{s.seqlen} H{s.nheads} P{s.headdim} N{s.dstate} G{s.ngroups} "
             f"{dtypes}{extras}")
 
@@ -196,8 +199,8 @@ def bench_shapes(which: str, chunk_size: int, quick: bool = False) -> list[Bench
     if which == "models":
         for model, nheads, ngroups in MODEL_LAYERS:
             for batch, seqlen in MODEL_CALLS:
-                add(bench_spec((batch, seqlen, nheads, 64, 128, ngroups), chunk_size, D="head"),
-                    f"model:{model}")
+                add(bench_spec((batch, seqlen, nheads, 64, 128, ngroups), chunk_size, D="head",
+                               dt_bias=True, dt_softplus=True), f"model:{model}")
     return [BenchShape(spec, tuple(tags)) for spec, tags in found.items()]
 
 
@@ -413,11 +416,9 @@ def _peer_version(dist: str, module) -> str:
 
 def _plain_problem_only(problem, who: str) -> None:
     p = problem
-    used = [name for name, value in (("dt_bias", p.dt_bias), ("dt_softplus", p.dt_softplus),
-                                     ("dt_limit", p.has_dt_limit),
-                                     ("initial_states", p.initial_states),
+    used = [name for name, value in (("initial_states", p.initial_states),
                                      ("seq_idx", p.seq_idx), ("cu_seqlens", p.cu_seqlens))
-            if value is not None and value is not False]
+            if value is not None]
     if used:
         raise ValueError(f"{who}: expected a problem without {', '.join(used)} (the benchmark's "
                          f"shapes have none), got one with them")
@@ -497,10 +498,11 @@ def mamba_contenders(problem, mamba_chunk_scan_combined) -> Iterator[Contender]:
 def fla_operands(problem):
     """fla's inputs for the SSD (b, L, H, .): q = C and k = B expanded to heads, v = x * dt
     (computed in fp32, stored in x's dtype: fla's matmuls take v in the q/k dtype), g = A * dt
-    fp32 (b, L, H), the log decay per step."""
+    fp32 (b, L, H), the log decay per step; dt after the call's bias, softplus and limit, which
+    fla's kernel does not apply."""
     _plain_problem_only(problem, "fla")
     per_group = problem.nheads // problem.ngroups
-    dt = problem.dt.to(torch.float32)
+    dt = step_sizes(problem, torch.float32)
     q = problem.C.repeat_interleave(per_group, dim=2)
     k = problem.B.repeat_interleave(per_group, dim=2)
     v = (problem.x * dt[..., None]).to(problem.x.dtype)
@@ -552,7 +554,8 @@ def sub_problem(problem, rows: int, heads: int, groups: int):
     return p.with_tensors(x=p.x[:rows, :, :heads], dt=p.dt[:rows, :, :heads], A=p.A[:heads],
                           B=p.B[:rows, :, :groups], C=p.C[:rows, :, :groups],
                           D=cut(p.D, slice(0, heads)), z=cut(p.z, slice(0, rows), slice(None),
-                                                                slice(0, heads)))
+                                                                slice(0, heads)),
+                          dt_bias=cut(p.dt_bias, slice(0, heads)))
 
 
 def reference_out(problem, rows: int, heads: int, groups: int) -> torch.Tensor:
@@ -1105,7 +1108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "batch 1 and 8; variants: the first anchor with one knob changed "
                              "(headdim, dstate, ngroups, dtype, z and D); all: the three; "
                              "models: the SSD layers of published Mamba-2 models (130m to 2.7b, "
-                             "Codestral 7B) at 1 x 16384 and 8 x 2048 tokens, D per head")
+                             "Codestral 7B) at 1 x 16384 and 8 x 2048 tokens, called as the "
+                             "layer calls them (D per head, dt_bias, softplus)")
     parser.add_argument("--only", default=None, metavar="TEXT[,TEXT]",
                         help="of those shapes, only the ones whose label contains one of these "
                              "texts (e.g. 'N256,G8,fp32' of the variants)")

@@ -112,12 +112,14 @@ def test_the_models_shapes_are_the_published_layers_apart_from_all():
     models = bench.bench_shapes("models", 64)
     assert len(models) == 2 * len(bench.MODEL_LAYERS) == 12
     labels = {s.label: s.tags for s in models}
-    assert labels["b1 L16384 H80 P64 N128 G1 bf16 +D/head"] == ("model:mamba2-2.7b",)
-    assert labels["b8 L2048 H128 P64 N128 G8 bf16 +D/head"] == ("model:mamba-codestral-7b",)
+    layer = " +D/head +dt_bias +softplus"
+    assert labels["b1 L16384 H80 P64 N128 G1 bf16" + layer] == ("model:mamba2-2.7b",)
+    assert labels["b8 L2048 H128 P64 N128 G8 bf16" + layer] == ("model:mamba-codestral-7b",)
     for shape in models:
         spec = shape.spec
         assert (spec.headdim, spec.dstate, spec.D, spec.chunk_size) == (64, 128, "head", 64)
-        assert not (spec.dt_bias or spec.dt_softplus or spec.z or spec.return_final_states)
+        assert spec.dt_bias and spec.dt_softplus and spec.dt_limit is None
+        assert not (spec.z or spec.return_final_states)
     assert not set(labels) & {s.label for s in bench.bench_shapes("all", 64)}
     # Their run is written beside the shape sets' bench.json, never over it.
     assert bench.default_out_dir("models") == bench.default_out_dir("all") / "models"
@@ -140,7 +142,8 @@ def test_error_slices_of_the_anchors():
 def test_error_slice_is_a_problem_of_its_own(monkeypatch, spec, limit, expected):
     monkeypatch.setattr(bench, "ERROR_MAX_ROW_HEADS", limit)
     assert bench.error_slice(spec) == expected
-    problem = build_problem(dataclasses.replace(spec, D="channel", z=True))
+    problem = build_problem(dataclasses.replace(spec, D="channel", z=True, dt_bias=True,
+                                                dt_softplus=True))
     rows, heads, groups = expected
     whole = chunked_ssd(problem, compute_dtype=torch.float64, state_dtype=torch.float64,
                         out_dtype=torch.float64).out
@@ -172,7 +175,8 @@ def _naive_simple_gla(q, k, v, g=None, scale=None, **unused):
     return o.to(out_dtype), None
 
 
-@pytest.mark.parametrize("changes", [{}, dict(D="channel", z=True), dict(D="head", ngroups=4)])
+@pytest.mark.parametrize("changes", [{}, dict(D="channel", z=True), dict(D="head", ngroups=4),
+                                     dict(dt_bias=True, dt_softplus=True, dt_limit=(0.0, 0.3))])
 def test_fla_rows_compute_the_ssd(changes):
     # q=C, k=B, v=x*dt, g=A*dt with scale 1.0 is the SSD: fla's semantics applied to the operands
     # the benchmark hands it (plus its D/z epilogue) reproduce the float64 chunked reference.
