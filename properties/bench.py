@@ -13,7 +13,8 @@ Rows (each times one call, with the problem's tensors already on the GPU):
                     use
     mamba_ssm_graph mamba_ssm's call captured and replayed as ours_graph
     fla_kernel      fla.ops.simple_gla.chunk_simple_gla(q=C, k=B, v=x*dt, g=A*dt, scale=1.0) on
-                    operands prepared beforehand (B and C expanded to heads, v in x's dtype)
+                    operands prepared beforehand (B and C expanded to heads, v in x's dtype, dt
+                    after the call's bias, softplus and limit)
     fla_e2e         the same from the contract's inputs: dt's bias, softplus and limit, expansion,
                     x*dt, A*dt, the kernel, then the D skip and z gate (plain torch ops) when the
                     problem has them; what a caller pays to get ``out`` from fla
@@ -149,7 +150,8 @@ class BenchShape:
 
 
 def shape_label(spec: ProblemSpec) -> str:
-    """'b8 L4096 H64 P64 N128 G1 bf16' (+z, +D/channel): the key of a shape in bench.json."""
+    """'b8 L4096 H64 P64 N128 G1 bf16' (+z, +D/channel, +dt_bias, +softplus, +dt_limit): the key
+    of a shape in bench.json."""
     s = spec
     dtypes = s.x_dtype if s.x_dtype == s.bc_dtype else f"x={s.x_dtype} bc={s.bc_dtype}"
     extras = ((" +z" if s.z else "") + (f" +D/{s.D}" if s.D else "")
