@@ -97,11 +97,12 @@ VARIANTS = (("headdim", dict(headdim=128)), ("dstate", dict(dstate=64)),
             ("features", dict(z=True, D="channel")))
 
 # The SSD layers of published Mamba-2 models, as their configs give them (headdim 64, dstate
-# 128; nheads = 2 * d_model / 64), and two calls of each: a long prefill at batch 1 and a
-# training-sized batch. As the Mamba-2 layer calls it: D per head, dt_bias, softplus.
+# 128; nheads = 2 * d_model / 64), and two calls of each as the Mamba-2 layer makes them (D per
+# head, dt_bias, softplus): a long prefill at batch 1, which returns the final states for the
+# inference cache, and a training-sized batch, out alone.
 MODEL_LAYERS = (("mamba2-130m", 24, 1), ("mamba2-370m", 32, 1), ("mamba2-780m", 48, 1),
                 ("mamba2-1.3b", 64, 1), ("mamba2-2.7b", 80, 1), ("mamba-codestral-7b", 128, 8))
-MODEL_CALLS = ((1, 16384), (8, 2048))
+MODEL_CALLS = ((1, 16384, True), (8, 2048, False))     # batch, seqlen, final states
 
 OURS = "ours"
 STAGES = ("chunk_cumsum", "fwd_pass_state", "compute_out")
@@ -150,13 +151,14 @@ class BenchShape:
 
 
 def shape_label(spec: ProblemSpec) -> str:
-    """'b8 L4096 H64 P64 N128 G1 bf16' (+z, +D/channel, +dt_bias, +softplus, +dt_limit): the key
-    of a shape in bench.json."""
+    """'b8 L4096 H64 P64 N128 G1 bf16' (+z, +D/channel, +dt_bias, +softplus, +dt_limit,
+    +final_states): the key of a shape in bench.json."""
     s = spec
     dtypes = s.x_dtype if s.x_dtype == s.bc_dtype else f"x={s.x_dtype} bc={s.bc_dtype}"
     extras = ((" +z" if s.z else "") + (f" +D/{s.D}" if s.D else "")
               + (" +dt_bias" if s.dt_bias else "") + (" +softplus" if s.dt_softplus else "")
-              + (" +dt_limit" if s.dt_limit else ""))
+              + (" +dt_limit" if s.dt_limit else "")
+              + (" +final_states" if s.return_final_states else ""))
     return (f"b{s.batch} L{s.seqlen} H{s.nheads} P{s.headdim} N{s.dstate} G{s.ngroups} "
             f"{dtypes}{extras}")
 
@@ -200,9 +202,10 @@ def bench_shapes(which: str, chunk_size: int, quick: bool = False) -> list[Bench
             add(bench_spec(ANCHOR_DIMS[0], chunk_size, **changes), f"variant:{knob}")
     if which == "models":
         for model, nheads, ngroups in MODEL_LAYERS:
-            for batch, seqlen in MODEL_CALLS:
+            for batch, seqlen, final_states in MODEL_CALLS:
                 add(bench_spec((batch, seqlen, nheads, 64, 128, ngroups), chunk_size, D="head",
-                               dt_bias=True, dt_softplus=True), f"model:{model}")
+                               dt_bias=True, dt_softplus=True,
+                               return_final_states=final_states), f"model:{model}")
     return [BenchShape(spec, tuple(tags)) for spec, tags in found.items()]
 
 
@@ -382,6 +385,12 @@ class Contender:
     info: dict = dataclasses.field(default_factory=dict)
 
 
+def out_of(result) -> torch.Tensor:
+    """``out`` of a contract call's return: the tensor, or the first of the tuple a call that
+    returns final states gets."""
+    return result[0] if isinstance(result, tuple) else result
+
+
 class PeerUnavailable(RuntimeError):
     """A peer does not import here; the message says why."""
 
@@ -437,8 +446,7 @@ def our_contenders(problem, chunk_size: Optional[int] = None) -> Iterator[Conten
     precision = ssd.resolve_precision(None, problem.x.dtype)
     state_dtype = ssd.resolve_state_dtype(None, precision, problem.x.dtype)
     info = dict(precision=precision, state_dtype=str(state_dtype).replace("torch.", ""))
-    yield Contender(OURS, problem.chunk_size, lambda: ssd.ssd_forward(**kwargs), lambda out: out,
-                    info)
+    yield Contender(OURS, problem.chunk_size, lambda: ssd.ssd_forward(**kwargs), out_of, info)
 
     _plain_problem_only(problem, "stage timing")
     pipeline = ssd.stage_pipeline(problem)
@@ -494,7 +502,7 @@ def mamba_contenders(problem, mamba_chunk_scan_combined) -> Iterator[Contender]:
     kwargs = problem.call_kwargs()
     kwargs.update(chunk_size=MAMBA_CHUNK_SIZE, cu_seqlens=None, return_varlen_states=False)
     yield Contender("mamba_ssm", MAMBA_CHUNK_SIZE, lambda: mamba_chunk_scan_combined(**kwargs),
-                    lambda out: out)
+                    out_of)
 
 
 def fla_operands(problem):
@@ -525,13 +533,20 @@ def fla_epilogue(problem, o: torch.Tensor) -> torch.Tensor:
     return y.to(problem.x.dtype)
 
 
+def fla_call(problem, chunk_simple_gla, q, k, v, g):
+    """fla's kernel on its operands: (o, its final state where the problem returns final states,
+    so that its row writes them too)."""
+    returned = dict(output_final_state=True) if problem.return_final_states else {}
+    return chunk_simple_gla(q, k, v, g=g, scale=1.0, **returned)
+
+
 def _fla_kernel_contender(problem, chunk_simple_gla) -> Contender:
     # The operands live in the row's closure only: dropping the row frees them.
     q, k, v, g = fla_operands(problem)
     plain = problem.D is None and problem.z is None
     # Without D and z, fla's o is the problem's out; with them only the end-to-end row computes it.
     return Contender("fla_kernel", FLA_CHUNK_SIZE,
-                     lambda: chunk_simple_gla(q, k, v, g=g, scale=1.0),
+                     lambda: fla_call(problem, chunk_simple_gla, q, k, v, g),
                      (lambda result: result[0]) if plain else None,
                      {} if plain else dict(error_note="no D skip / z gate: out is fla_e2e's"))
 
@@ -541,7 +556,7 @@ def fla_contenders(problem, chunk_simple_gla) -> Iterator[Contender]:
 
     def end_to_end():
         q, k, v, g = fla_operands(problem)
-        return fla_epilogue(problem, chunk_simple_gla(q, k, v, g=g, scale=1.0)[0])
+        return fla_epilogue(problem, fla_call(problem, chunk_simple_gla, q, k, v, g)[0])
 
     yield Contender("fla_e2e", FLA_CHUNK_SIZE, end_to_end, lambda out: out)
 
@@ -1110,8 +1125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "batch 1 and 8; variants: the first anchor with one knob changed "
                              "(headdim, dstate, ngroups, dtype, z and D); all: the three; "
                              "models: the SSD layers of published Mamba-2 models (130m to 2.7b, "
-                             "Codestral 7B) at 1 x 16384 and 8 x 2048 tokens, called as the "
-                             "layer calls them (D per head, dt_bias, softplus)")
+                             "Codestral 7B) as the layer calls them (D per head, dt_bias, "
+                             "softplus): a 1 x 16384 prefill returning final states, 8 x 2048 "
+                             "out alone")
     parser.add_argument("--only", default=None, metavar="TEXT[,TEXT]",
                         help="of those shapes, only the ones whose label contains one of these "
                              "texts (e.g. 'N256,G8,fp32' of the variants)")

@@ -113,13 +113,14 @@ def test_the_models_shapes_are_the_published_layers_apart_from_all():
     assert len(models) == 2 * len(bench.MODEL_LAYERS) == 12
     labels = {s.label: s.tags for s in models}
     layer = " +D/head +dt_bias +softplus"
-    assert labels["b1 L16384 H80 P64 N128 G1 bf16" + layer] == ("model:mamba2-2.7b",)
+    assert labels["b1 L16384 H80 P64 N128 G1 bf16" + layer + " +final_states"] == (
+        "model:mamba2-2.7b",)
     assert labels["b8 L2048 H128 P64 N128 G8 bf16" + layer] == ("model:mamba-codestral-7b",)
     for shape in models:
         spec = shape.spec
         assert (spec.headdim, spec.dstate, spec.D, spec.chunk_size) == (64, 128, "head", 64)
-        assert spec.dt_bias and spec.dt_softplus and spec.dt_limit is None
-        assert not (spec.z or spec.return_final_states)
+        assert spec.dt_bias and spec.dt_softplus and spec.dt_limit is None and not spec.z
+        assert spec.return_final_states == (spec.batch == 1)      # the prefill's, for the cache
     assert not set(labels) & {s.label for s in bench.bench_shapes("all", 64)}
     # Their run is written beside the shape sets' bench.json, never over it.
     assert bench.default_out_dir("models") == bench.default_out_dir("all") / "models"
@@ -159,9 +160,10 @@ def test_error_slice_refuses_packed_problems():
         bench.sub_problem(problem, 1, 2, 1)
 
 
-def _naive_simple_gla(q, k, v, g=None, scale=None, **unused):
+def _naive_simple_gla(q, k, v, g=None, scale=None, output_final_state=False, **unused):
     """fla's chunk_simple_gla semantics, step by step in float64: h_t = exp(g_t) h_{t-1} +
-    k_t v_t^T, o_t = scale q_t . h_t; scale defaults to K^-0.5, as fla's does."""
+    k_t v_t^T, o_t = scale q_t . h_t; scale defaults to K^-0.5, as fla's does; (o, the last h
+    (b, H, K, V) in float32 where output_final_state, else None)."""
     assert not unused, f"unexpected arguments {sorted(unused)}"
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out_dtype = q.dtype
@@ -172,19 +174,27 @@ def _naive_simple_gla(q, k, v, g=None, scale=None, **unused):
     for t in range(L):
         h = torch.exp(g[:, t])[..., None, None] * h + k[:, t, :, :, None] * v[:, t, :, None, :]
         o[:, t] = scale * torch.einsum("bhk,bhkv->bhv", q[:, t], h)
-    return o.to(out_dtype), None
+    return o.to(out_dtype), h.to(torch.float32) if output_final_state else None
 
 
 @pytest.mark.parametrize("changes", [{}, dict(D="channel", z=True), dict(D="head", ngroups=4),
-                                     dict(dt_bias=True, dt_softplus=True, dt_limit=(0.0, 0.3))])
+                                     dict(dt_bias=True, dt_softplus=True, dt_limit=(0.0, 0.3)),
+                                     dict(return_final_states=False)])
 def test_fla_rows_compute_the_ssd(changes):
     # q=C, k=B, v=x*dt, g=A*dt with scale 1.0 is the SSD: fla's semantics applied to the operands
     # the benchmark hands it (plus its D/z epilogue) reproduce the float64 chunked reference.
     spec = dataclasses.replace(SMALL, **changes)
     problem = build_problem(spec)
-    exact = chunked_ssd(problem, compute_dtype=torch.float64, state_dtype=torch.float64,
-                        out_dtype=torch.float64).out
+    reference = chunked_ssd(problem, compute_dtype=torch.float64, state_dtype=torch.float64,
+                            out_dtype=torch.float64)
+    exact = reference.out
     rows = {c.name: c for c in bench.fla_contenders(problem, _naive_simple_gla)}
+    # Where the call returns final states, fla's row writes its own too (b, H, N, P): the same.
+    _, fla_states = rows["fla_kernel"].call()
+    assert (fla_states is not None) == spec.return_final_states
+    if spec.return_final_states:
+        torch.testing.assert_close(fla_states.transpose(-1, -2).to(torch.float64),
+                                   reference.final_states, rtol=1e-5, atol=1e-6)
     assert set(rows) == {"fla_kernel", "fla_e2e"}
     e2e = rows["fla_e2e"].output(rows["fla_e2e"].call())
     assert e2e.dtype == problem.x.dtype
@@ -221,6 +231,10 @@ def test_mamba_row_is_its_default_call():
     assert row.name == "mamba_ssm" and row.chunk_size == seen["chunk_size"] == 256
     assert seen["D"] is problem.D and seen["z"] is problem.z and seen["dt"] is problem.dt
     assert not seen["return_final_states"] and not seen["return_varlen_states"]
+    # A call that returns final states returns (out, final_states): the row checks out.
+    states = build_problem(dataclasses.replace(SMALL, D="head", dt_bias=True, dt_softplus=True))
+    (row,) = bench.mamba_contenders(states, lambda **kwargs: (kwargs["x"], kwargs["dt_bias"]))
+    assert row.output(row.call()) is states.x
 
 
 def test_draw_on_device_changes_nothing_on_the_cpu():
