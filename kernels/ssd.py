@@ -181,6 +181,13 @@ STATE_SCAN_MIN_ROW_HEADS = 64
 # ab_state_scan_436fba5.txt).
 STATE_SCAN_TILES = (64, 128)
 STATE_SCAN_MIN_BLOCKS = 128
+# From compute capability 10.0 the scan with a 32-bit B at chunk 128 takes at most 64 state
+# columns a block: tileiras 13.4 buffers that B tile deeper for sm_100 than for sm_90, and the
+# 64 x 128 tiles of a call past 2^31 elements (its 64-bit indexing) took 232,652 bytes of shared
+# memory a block there (169,024 on sm_90), past the 232,448 a block may use, so the call would
+# fail at launch; 64 x 64 take 201,972 (200,084 at 64 x 128 with 32-bit indexing, 2 KB short of
+# the limit). Found compiling the plans tests/test_plans.py draws; never run on an sm_100 GPU.
+STATE_SCAN_SM100_FLOAT32_B_N_BLOCK = 64
 # The scan and compute_out as one walk (kernels/scan_out.py, ``walk_state_precision``): no chunk
 # state stored, but one block per (row, head, P block) walks every chunk in order, with the whole
 # state (dstate up to WALK_MAX_DSTATE of its mode) in registers. Measured on the H200 against
@@ -1090,6 +1097,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
         scan_p, scan_n = state_scan_tiles(key.batch * key.nheads, p_pad, n_pad, (
             scan_tiled.get("p_block", STATE_SCAN_TILES[0]),
             scan_tiled.get("n_block", STATE_SCAN_TILES[1])))
+        if capability >= 100 and key.b_dtype == f32 and Q == 128:
+            scan_n = min(scan_n, STATE_SCAN_SM100_FLOAT32_B_N_BLOCK)
         scan = StateScanConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype,
                                start_dtype=key.start_dtype or f32, state_dtype=state_dtype,
                                chunk_size=Q, p_block=scan_p, n_block=scan_n,

@@ -556,6 +556,22 @@ def test_the_state_scan_halves_its_state_columns_until_enough_blocks_walk():
                                                              (64, 32)]
 
 
+@pytest.mark.parametrize("capability, b_dtype, chunk_size, n_block", [
+    (100, torch.float32, 128, 64),      # sm_100's limit (ssd.STATE_SCAN_SM100_FLOAT32_B_N_BLOCK)
+    (90, torch.float32, 128, 128), (100, torch.bfloat16, 128, 128), (100, torch.float32, 64, 128),
+])
+def test_the_state_scan_keeps_a_float32_b_within_sm100s_shared_memory(capability, b_dtype,
+                                                                       chunk_size, n_block):
+    """On 10.x a float32 B at chunk 128 takes 64 state columns a block: 64 x 128 tiles past 2^31
+    elements took more shared memory than a block may use there (the constant's comment)."""
+    bf16 = torch.bfloat16
+    key = ssd.ProblemKey(batch=391, seqlen=3300, nheads=104, headdim=128, dstate=256,
+                         ngroups=26, chunk_size=chunk_size, x_dtype=bf16, b_dtype=b_dtype,
+                         c_dtype=torch.float32, states_returned=False)
+    scan = ssd.make_plan(key, capability=capability).state_scan
+    assert (scan.p_block, scan.n_block) == (64, n_block)
+
+
 def test_a_fused_key_without_a_chunk_128_entry_borrows_chunk_256s_compute_out_tiles():
     """headdim 128 has no chunk-128 entry: compute_out takes its chunk-256 tiles, the scan its
     default start tiles."""
