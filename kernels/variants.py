@@ -62,6 +62,9 @@ from kernels.ssd import (DEFAULT_CHUNK_SIZE, REFERENCE_CAPABILITY, ProblemKey, S
 from kernels.tile_ops import kernel_signature, launch_constraint
 
 TARGETS = ("sm_80", "sm_90", "sm_100")
+# Shared memory one block may use (CUDA C++ Programming Guide, compute capabilities table):
+# 163 KB on 8.0, 227 KB on 9.0 and 10.0. A kernel that takes more fails at launch.
+MAX_BLOCK_SHARED_BYTES = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
 REMARK_TARGET = "sm_90"
 # cuTile's compile flags for a kernel with default options (cuda/tile/_compile.py: compile_cubin).
 TILEIRAS_FLAGS = ("-O3", "--lineinfo")
@@ -561,7 +564,9 @@ def _run_tileiras(source: str, result: CompileResult, cubin_dir: str) -> None:
         command += ["--remark-format=command-line", "--remarks=all"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, env=tileiras_env())
     if run.returncode != 0:
-        result.error = (run.stderr or run.stdout)[-4000:]
+        # A crash by signal leaves no message: its exit status says which (-4: SIGILL).
+        result.error = (run.stderr or run.stdout or f"tileiras exited with {run.returncode} "
+                        f"and no message")[-4000:]
     elif not os.path.getsize(cubin):
         result.error = "tileiras wrote an empty cubin"
     else:
