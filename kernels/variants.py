@@ -344,12 +344,9 @@ def recorded_launches():
         ct.launch, torch.cuda.current_stream = saved
 
 
-def launch_signatures(key: ProblemKey, plan) -> list[tuple[str, object, KernelSignature]]:
-    """(kernel name, config, signature) of every launch of ``plan`` on ``key``'s call, the array
-    constraints read off the arguments the host code passes (``tile_ops.launch_constraint``): the
-    specialization the JIT compiles on a GPU, where a config's own ``signature()`` declares only
-    what every contiguous tensor guarantees. The host code runs on meta tensors with ct.launch
-    recording instead of launching (``recorded_launches``)."""
+def plan_launches(key: ProblemKey, plan) -> list[tuple]:
+    """(grid, kernel, args) of every launch the host code makes for ``plan`` on ``key``'s call,
+    run on meta tensors with ct.launch recording (``recorded_launches``)."""
     problem = launch_problem(key)
     pipeline = StagePipeline(problem, plan, problem.A.to(torch.float32), problem.seq_idx,
                              key.varlen)
@@ -357,8 +354,17 @@ def launch_signatures(key: ProblemKey, plan) -> list[tuple[str, object, KernelSi
         dt, cumsum = pipeline.cumsum()
         chunk_states, _, _ = pipeline.states(dt, cumsum)
         pipeline.out(dt, cumsum, chunk_states)
+    return launched
+
+
+def launch_signatures(key: ProblemKey, plan) -> list[tuple[str, object, KernelSignature]]:
+    """(kernel name, config, signature) of every launch of ``plan`` on ``key``'s call, the array
+    constraints read off the arguments the host code passes (``tile_ops.launch_constraint``): the
+    specialization the JIT compiles on a GPU, where a config's own ``signature()`` declares only
+    what every contiguous tensor guarantees (``plan_launches``)."""
     found = []
-    for (name, cfg), (_, kernel, args) in zip(plan.named_configs(), launched, strict=True):
+    for (name, cfg), (_, kernel, args) in zip(plan.named_configs(), plan_launches(key, plan),
+                                              strict=True):
         assert kernel is cfg.kernel, cfg.describe()
         parameters = [launch_constraint(arg, c.index_dtype) if isinstance(c, ArrayConstraint)
                       else c for c, arg in zip(cfg.signature().parameters, args, strict=True)]

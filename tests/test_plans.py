@@ -20,16 +20,27 @@ import torch
 from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
 
 from kernels import ssd, variants
-from kernels.variants import _anchor, launch_problem, launch_signatures, recorded_launches
+from kernels.contract import SSDInputError
+from kernels.variants import _anchor, launch_problem, launch_signatures
 
 # CUDA's grid limits: x up to 2^31 - 1 blocks, y and z up to 65,535.
 GRID_LIMITS = (2 ** 31 - 1, 65535, 65535)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Precision modes per x dtype ('auto' is None), as ``ssd.resolve_precision`` accepts them.
-MODES = {x: [None] + [m for m in ssd.PRECISIONS
-                      if m in ssd.SPLIT_X_DTYPES and x in ssd.SPLIT_X_DTYPES[m][0]
-                      or m not in ssd.SPLIT_X_DTYPES and not (m == "input" and x == torch.float32)]
-         for x in DTYPES}
+
+
+def _modes(x_dtype: torch.dtype) -> list[str | None]:
+    """The precision modes ``ssd.resolve_precision`` accepts with ``x_dtype`` ('auto' is None)."""
+    accepted = [None]
+    for mode in ssd.PRECISIONS:
+        try:
+            ssd.resolve_precision(mode, x_dtype)
+        except SSDInputError:
+            continue
+        accepted.append(mode)
+    return accepted
+
+
+MODES = {x: _modes(x) for x in DTYPES}
 # GPUs by (SMs, compute capability): A100, H100 PCIe, H200 (the reference), B200.
 GPUS = ((108, 80), (114, 90), (132, 90), (148, 100))
 
@@ -109,18 +120,6 @@ def on_examples(**others):
     return decorate
 
 
-def _launch_grids(key: ssd.ProblemKey, plan: ssd.Plan) -> list[tuple[int, ...]]:
-    """The grid of each launch the host code makes for ``plan`` on ``key``'s call (meta tensors)."""
-    problem = launch_problem(key)
-    pipeline = ssd.StagePipeline(problem, plan, problem.A.to(torch.float32), problem.seq_idx,
-                                 key.varlen)
-    with recorded_launches() as launched:
-        dt, cumsum = pipeline.cumsum()
-        chunk_states, _, _ = pipeline.states(dt, cumsum)
-        pipeline.out(dt, cumsum, chunk_states)
-    return [tuple(grid) for grid, _, _ in launched]
-
-
 @given(call=planned_calls(), state_dtype=st.sampled_from((None, *ssd.STATE_DTYPES)),
        gpu=st.sampled_from(GPUS))
 @on_examples(state_dtype=None, gpu=(132, 90))
@@ -132,7 +131,8 @@ def test_every_plan_launches_its_kernels_on_grids_cuda_can_launch(call, state_dt
     # (launch_signatures asserts both).
     assert [name for name, _, _ in launch_signatures(key, plan)] == [
         name for name, _ in plan.named_configs()]
-    for grid in _launch_grids(key, plan):
+    for grid, _, _ in variants.plan_launches(key, plan):
+        grid = tuple(grid)
         assert 1 <= len(grid) <= 3, grid
         assert all(1 <= n <= limit for n, limit in zip(grid, GRID_LIMITS)), (grid, plan)
 
