@@ -358,6 +358,16 @@ WALK_MIN_SPLIT_ROW_HEADS = 96
 # two segments (the third anchor's 64 pairs) four paired took 1.032x there (0.995x / 1.036x out
 # alone / with final states at adb1575, ab_split_adb1575.txt).
 WALK_PAIRED_SEGMENTS_FROM = 4
+# From one segment too, where two do not fit one round alone and the unsplit walk does not take
+# the call (its blocks more than half the SMs, its pairs under WALK_MIN_SPLIT_ROW_HEADS: 67 to
+# 95 pairs at headdim 64 on the H200), two paired, from WALK_MIN_PAIRED_SPLIT_ROW_HEADS pairs.
+# On the H200 at d677366 over 16,384 to 65,536 tokens at 72 and 80 pairs, which ran the fused
+# state scan out alone and chunk 256 with final states: out alone 0.763-0.810x the fused scan
+# and 0.853-0.953x chunk 256 (which beat the scan there, 0.850-0.894x; the unsplit walk
+# 1.000-1.022x the scan), with final states 0.903-0.915x chunk 256 (the unsplit walk
+# 1.058-1.078x), out as near float64 (2.26e-3 normwise; experiments/ab_gap_d677366.json).
+# Untimed: two paired against the unsplit walk from 96 pairs, which keep it.
+WALK_MIN_PAIRED_SPLIT_ROW_HEADS = 66
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
 REFERENCE_SM_COUNT = 132
@@ -767,7 +777,8 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     whose blocks fit one round on ``sms`` SMs, one block an SM, with WALK_SEGMENT_MIN_CHUNKS
     chunks or more each; from WALK_PAIRED_SEGMENTS_FROM such segments, where the walk takes them
     (pairs times segments reach WALK_MIN_SPLIT_ROW_HEADS) and bf16's walk pairs at the call's
-    dstate (WALK_PAIRING), twice as many, in one round two to an SM, where they are as long."""
+    dstate (WALK_PAIRING), twice as many, in one round two to an SM, where they are as long; so
+    from one segment, two, from WALK_MIN_PAIRED_SPLIT_ROW_HEADS pairs to the unsplit walk's."""
     if (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
             or key.nchunks < WALK_SPLIT_MIN_CHUNKS):
         return 1
@@ -776,12 +787,16 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
         return (segments < WALK_MAX_SEGMENTS and walk_blocks(key) * segments * 2 <= per_sm * sms
                 and key.nchunks >= 2 * segments * WALK_SEGMENT_MIN_CHUNKS)
 
+    pairs = key.batch * key.nheads
     segments = 1
     while fits(segments, 1):
         segments *= 2
-    if (segments >= WALK_PAIRED_SEGMENTS_FROM and fits(segments, 2)
-            and key.batch * key.nheads * segments >= WALK_MIN_SPLIT_ROW_HEADS
-            and next_pow2(key.dstate) <= WALK_PAIRING["input"][0]):
+    if segments == 1:
+        doubles = WALK_MIN_PAIRED_SPLIT_ROW_HEADS <= pairs < WALK_MIN_SPLIT_ROW_HEADS
+    else:
+        doubles = (segments >= WALK_PAIRED_SEGMENTS_FROM
+                   and pairs * segments >= WALK_MIN_SPLIT_ROW_HEADS)
+    if doubles and fits(segments, 2) and next_pow2(key.dstate) <= WALK_PAIRING["input"][0]:
         segments *= 2
     return segments
 

@@ -721,16 +721,18 @@ def _assert_walks_agree(out, final, other_out, other_final):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("D, z, final_states, dstate, batch", [
-    (None, False, False, 128, 1), ("channel", False, True, 128, 1), (None, True, True, 128, 1),
-    ("head", False, False, 128, 1), ("channel", False, True, 256, 1),
-    ("head", False, True, 128, 2)])
+@pytest.mark.parametrize("D, z, final_states, dstate, batch, pairs", [
+    (None, False, False, 128, 1, 48), ("channel", False, True, 128, 1, 48),
+    (None, True, True, 128, 1, 48), ("head", False, False, 128, 1, 48),
+    ("channel", False, True, 256, 1, 48), ("head", False, True, 128, 2, 48),
+    ("head", False, False, 128, 1, 80), ("channel", False, True, 128, 2, 80)])
 def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unsplit_walk(
-        D, z, final_states, dstate, batch):
+        D, z, final_states, dstate, batch, pairs):
     """48 (row, head) pairs over 257 chunks, bf16, one row of 48 heads or two of 24: the walk
     in two segments of 129 and 128 chunks, the last partial (``ssd.walk_segments``), the first's
     end state in four parts (``ssd.segment_split``; two at dstate 256, where the walk does not
-    pair), from initial states, at dstate 128 and 256, held to the rule against
+    pair), from initial states, at dstate 128 and 256; 80 pairs (one row or two), whose two
+    segments run paired and the first's end state in two parts; each held to the rule against
     float64; and its out and final states within a few units of the output dtype of the
     unsplit walk's (the same plan, one segment), whose sums it orders otherwise only at the
     segments' seams."""
@@ -738,13 +740,14 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
 
     from kernels.gpu_check import check_problem
     from kernels.ssd import run_stages, stage_pipeline
-    spec = ProblemSpec(batch=batch, seqlen=16400, nheads=48 // batch, headdim=64, dstate=dstate,
-                       ngroups=1, chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
-                       initial_states=True, return_final_states=final_states)
+    spec = ProblemSpec(batch=batch, seqlen=16400, nheads=pairs // batch, headdim=64,
+                       dstate=dstate, ngroups=1, chunk_size=64, x_dtype="bf16", bc_dtype="bf16",
+                       D=D, z=z, initial_states=True, return_final_states=final_states)
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=final_states)
     assert pipeline.plan.walk_segments == 2
-    assert pipeline.plan.segment_split == (2 if dstate == 256 else 4)
+    assert pipeline.plan.segment_split == (2 if dstate == 256 or pairs == 80 else 4)
+    assert pipeline.plan.scan_out.occupancy == (2 if pairs == 80 else None)
     assert pipeline.plan.segment_states is not None
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]

@@ -216,8 +216,19 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     assert ssd.walk_segments(replace(key, nheads=12), 132) == 16         # 96 pairs of 8
     assert ssd.walk_segments(replace(key, nheads=2), 132) == ssd.WALK_MAX_SEGMENTS == 16
     assert ssd.walk_segments(replace(key, batch=2), 132) == 1            # 128 pairs
-    assert ssd.walk_segments(replace(key, nheads=96), 132) == 1          # 192 blocks in 2
-    assert ssd.make_plan(replace(key, nheads=96)).scan_out.segmented is False
+    for nheads in (67, 80, 95):                        # 2 don't fit one round alone, 2 paired
+        paired_two = ssd.make_plan(replace(key, nheads=nheads))
+        assert (paired_two.walk_segments, paired_two.scan_out.occupancy) == (2, 2), nheads
+        assert ssd.default_chunk_size(_meta_problem(replace(key, nheads=nheads, chunk_size=256),
+                                                    return_final_states=True)) == 64
+    for nheads in (96, 127):                                            # the unsplit walk's
+        assert ssd.walk_segments(replace(key, nheads=nheads), 132) == 1
+        assert ssd.make_plan(replace(key, nheads=nheads)).scan_out.segmented is False
+    assert ssd.walk_segments(replace(key, nheads=66), 132) == 2          # one round alone
+    assert ssd.make_plan(replace(key, nheads=66)).scan_out.occupancy is None
+    assert ssd.walk_segments(replace(key, nheads=80, dstate=256), 132) == 1  # no pairs
+    assert ssd.make_plan(replace(key, nheads=80, dstate=256)).scan_out is None
+    assert ssd.walk_segments(replace(key, nheads=40, headdim=128), 132) == 1  # 80 blocks, 40 pairs
     shortest = replace(key, seqlen=16384)                                # 256 chunks
     assert ssd.walk_segments(shortest, 132) == 2
     assert ssd.walk_segments(replace(shortest, seqlen=16384 - 64), 132) == 1
