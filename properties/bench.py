@@ -46,8 +46,9 @@ kernel time (its stage rows summed) over the copy bound of the same run grew by 
 ``KERNEL_FLOOR_MS`` are reported, not judged; ours/mamba_ssm call ratios are printed beside (the
 comment at ``KERNEL_FLOOR_MS`` says why the calls are not what is judged).
 
-``--results`` given several times reads several runs as one (``median_of_runs``): each shape's
-record is the run's whose judged ratio is that shape's median.
+``--results`` given several times reads several runs as one (``merge_runs``): each shape's
+record is the run's whose judged ratio is that shape's median, or with ``--latest`` the last run's
+that measured it (a shape re-measured after a change replaces the baseline's record).
 """
 from __future__ import annotations
 
@@ -1018,12 +1019,12 @@ def judged_ratio(record: dict) -> Optional[float]:
     return None if ms is None else ms / record["copy_bound_ms"]
 
 
-def median_of_runs(docs: list[dict]) -> dict:
+def merge_runs(docs: list[dict], latest: bool = False) -> dict:
     """One document from several runs: for each shape (in first-run order), the record of the
     run whose judged ratio (``judged_ratio``) is that shape's median (the upper of the two
-    middle ones for an even count), marked ``from_run``. The runs must agree on how ours picked
-    its chunk size. Provenance is the first run's; ``runs`` lists every run's provenance and copy
-    probe."""
+    middle ones for an even count), or with ``latest`` of the last run that measured it,
+    marked ``from_run``. The runs must agree on how ours picked its chunk size. Provenance is
+    the first run's; ``runs`` lists every run's provenance and copy probe."""
     if len(docs) == 1:
         return docs[0]
     picks = {doc.get("our_chunk_size") for doc in docs}
@@ -1037,9 +1038,12 @@ def median_of_runs(docs: list[dict]) -> dict:
             records.setdefault(record["label"], []).append((index, record))
     shapes = []
     for label, found in records.items():
-        timed = sorted(((i, r) for i, r in found if judged_ratio(r) is not None),
-                       key=lambda item: judged_ratio(item[1]))
-        index, record = timed[len(timed) // 2] if timed else found[0]
+        if latest:
+            index, record = found[-1]
+        else:
+            timed = sorted(((i, r) for i, r in found if judged_ratio(r) is not None),
+                           key=lambda item: judged_ratio(item[1]))
+            index, record = timed[len(timed) // 2] if timed else found[0]
         shapes.append(dict(record, from_run=index))
     measured = set(records)
     merged = dict(docs[0], shapes=shapes,
@@ -1152,6 +1156,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "it. Repeated: the runs as one, each shape's record the run's with "
                              "the median judged ratio, ours' kernels over the copy bound (a baseline "
                              "from several runs)")
+    parser.add_argument("--latest", action="store_true",
+                        help="with --results repeated: each shape's record from the last run "
+                             "that measured it, not the median (a shape re-measured after a "
+                             "change replaces the baseline's)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no new shape after this many seconds (the rest is listed as "
                              "not run)")
@@ -1165,10 +1173,14 @@ def _load(path: Path, what: str) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.latest and len(args.results or ()) < 2:
+        print(f"bench: --latest: expected --results given two or more times, got "
+              f"{len(args.results or ())}", file=sys.stderr)
+        return 2
     try:
         baseline = None if args.check is None else _load(args.check, "baseline")
         if args.results is not None:
-            doc = median_of_runs([_load(path, "results") for path in args.results])
+            doc = merge_runs([_load(path, "results") for path in args.results], args.latest)
             if args.out is not None:
                 for path in write_outputs(doc, Path(args.out)):
                     print(f"wrote {path}", file=sys.stderr)

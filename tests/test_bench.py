@@ -708,7 +708,7 @@ def test_several_results_make_one_run_of_each_shapes_median_record(tmp_path, cap
     runs = [_doc(shape(LABEL_A, 0.5), shape(LABEL_B, 1.5)),
             _doc(shape(LABEL_A, 0.7), shape(LABEL_B, 2.0)),
             _doc(shape(LABEL_A, 0.55))]
-    merged = bench.median_of_runs(runs)
+    merged = bench.merge_runs(runs)
     assert [(r["label"], r["from_run"]) for r in merged["shapes"]] == [(LABEL_A, 2), (LABEL_B, 1)]
     assert [r["rows"]["ours"]["ms"] for r in merged["shapes"]] == [0.55, 2.0]
     assert len(merged["runs"]) == 3 and merged["provenance"] == runs[0]["provenance"]
@@ -722,6 +722,29 @@ def test_several_results_make_one_run_of_each_shapes_median_record(tmp_path, cap
     assert [r["from_run"] for r in written["shapes"]] == [2, 1]
     assert bench.main(_args(check=tmp_path / "merged" / "bench.json", results=[paths[0]])) == 0
     capsys.readouterr()
+
+
+def test_latest_takes_each_shape_from_the_last_run_that_measured_it(tmp_path, capsys):
+    """A baseline of A and B, then a run of A alone after a change: with --latest A's record is
+    the new run's, however its ratio compares, and B's the baseline's; --latest wants two runs."""
+    def shape(label, ours_ms):
+        return _record(label, ours_ms, {"mamba_ssm": 1.0})
+
+    runs = [_doc(shape(LABEL_A, 0.5), shape(LABEL_B, 1.5)), _doc(shape(LABEL_A, 0.7))]
+    for slower_then_faster in (runs, [runs[0], _doc(shape(LABEL_A, 0.3))]):
+        merged = bench.merge_runs(slower_then_faster, latest=True)
+        assert [(r["label"], r["from_run"]) for r in merged["shapes"]] == [(LABEL_A, 1),
+                                                                           (LABEL_B, 0)]
+        assert merged["shapes"][0] == dict(slower_then_faster[1]["shapes"][0], from_run=1)
+    assert bench.merge_runs(runs)["shapes"][0]["rows"]["ours"]["ms"] == 0.7  # the upper middle
+    paths = [tmp_path / "baseline.json", tmp_path / "new.json"]
+    for path, doc in zip(paths, [runs[0], _doc(shape(LABEL_A, 0.3))]):
+        path.write_text(json.dumps(doc))
+    assert bench.main(_args(results=paths, latest=True, out=tmp_path / "merged")) == 0
+    written = json.loads((tmp_path / "merged" / "bench.json").read_text())
+    assert [r["rows"]["ours"]["ms"] for r in written["shapes"]] == [0.3, 1.5]
+    assert bench.main(_args(results=paths[:1], latest=True)) == 2
+    assert "--latest: expected --results given two or more times, got 1" in capsys.readouterr().err
 
 
 def test_runs_at_different_chunk_picks_do_not_merge(tmp_path, capsys):
