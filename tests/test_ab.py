@@ -309,17 +309,18 @@ def test_a_dispatch_constants_arm_compiles_the_plan_made_under_them(monkeypatch)
     seen = []
     monkeypatch.setattr(ab, "compiled_kernels", lambda key, plan, target, done: seen.append(
         [name for name, _ in plan.named_configs()]) or {})
-    # 1 x 65536 x 80 heads (Mamba-2 2.7B at batch 1) falls between the walk's rules: too many
-    # pairs to split in one round one block an SM, too few to walk unsplit.
+    # 1 x 65536 x 80 heads (Mamba-2 2.7B at batch 1): too many pairs to split in one round one
+    # block an SM, too few to walk unsplit, so two segments paired; the arms undo that rule.
     case = ab.parse_case("1,65536,80,64,128,1", 64)
-    arms = [ab.parse_arm("w80 ssd.WALK_MIN_SPLIT_ROW_HEADS=80"),
-            ab.parse_arm("w80s2 ssd.WALK_MIN_SPLIT_ROW_HEADS=80 ssd.WALK_PAIRED_SEGMENTS_FROM=1"),
+    arms = [ab.parse_arm("scan ssd.WALK_MIN_PAIRED_SPLIT_ROW_HEADS=1000"),
+            ab.parse_arm("w80 ssd.WALK_MIN_PAIRED_SPLIT_ROW_HEADS=1000 "
+                         "ssd.WALK_MIN_SPLIT_ROW_HEADS=80"),
             ab.parse_arm("same ssd.WALK_MIN_SPLIT_ROW_HEADS=96")]
     record = ab.compile_case(case, arms, "sm_90", {})
-    assert seen == [["chunk_cumsum", "state_scan", "chunk_scores", "compute_out"],
-                    ["chunk_cumsum", "chunk_scores", "scan_out"],
-                    ["chunk_cumsum", "segment_states", "entering_states", "chunk_scores",
-                     "scan_out"]]
+    assert seen == [["chunk_cumsum", "segment_states", "entering_states", "chunk_scores",
+                     "scan_out"],
+                    ["chunk_cumsum", "state_scan", "chunk_scores", "compute_out"],
+                    ["chunk_cumsum", "chunk_scores", "scan_out"]]
     assert record["arms"]["same"]["not_applicable"].startswith("its dispatch constants leave")
 
 
