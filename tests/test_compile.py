@@ -53,21 +53,29 @@ def test_variant_compiles(compiled, variant, target):
     assert not problems, f"{variant.config.describe()} on {target}: {problems}"
 
 
-# tileiras 13.4 crashes (SIGILL, no message) compiling this scores kernel for sm_100: '3xtf32',
-# x and C bf16, B float32, chunk 64, dstate 202 (B's and C's rows not 16-byte aligned) padded to
-# 256; sm_80 and sm_90 compile it, and so does sm_100 at dstate 256 (aligned). Found compiling
-# the plans tests/test_plans.py draws (MAMBA2_CUTILE_DRAWN_COMPILES). A toolchain that compiles
-# it turns this xfail into a failure: then remove the test and the drawn test's allowance.
-KNOWN_SM100_CRASH = ssd.ProblemKey(
-    batch=1, seqlen=4096, nheads=128, headdim=53, dstate=202, ngroups=4, chunk_size=64,
-    x_dtype=torch.bfloat16, b_dtype=torch.float32, c_dtype=torch.bfloat16, states_returned=False)
+# tileiras 13.4 crashes (SIGILL, no message) compiling scores kernels for sm_100 in '3xtf32'
+# where C is 16-bit, B's dtype is not C's, and dstate pads to 256 but is no multiple of 8 (B's
+# and C's rows not 16-byte aligned): probed at dstate 130, 131, 145, 149, 202 and 250, B float32
+# or fp16 with C bf16 and B float32 with C fp16; not at dstate 160, 192, 200 or 256, at 17 to
+# 131 padded to 128 or less, nor with C float32 or B's dtype C's. sm_80 and sm_90 compile all of
+# them. Found compiling the plans tests/test_plans.py draws (MAMBA2_CUTILE_DRAWN_COMPILES;
+# ``known_sm100_crash`` there allows it). A toolchain that compiles one of these turns its xfail
+# into a failure: then remove the test and the drawn test's allowance.
+KNOWN_SM100_CRASHES = [
+    ssd.ProblemKey(batch=1, seqlen=4096, nheads=128, headdim=53, dstate=202, ngroups=4,
+                   chunk_size=64, x_dtype=torch.bfloat16, b_dtype=torch.float32,
+                   c_dtype=torch.bfloat16, states_returned=False),
+    ssd.ProblemKey(batch=2, seqlen=1793, nheads=238, headdim=128, dstate=149, ngroups=14,
+                   chunk_size=64, x_dtype=torch.float32, b_dtype=torch.float16,
+                   c_dtype=torch.bfloat16, states_returned=False)]
 
 
 @pytest.mark.xfail(strict=True, reason="tileiras 13.4 crashes on it for sm_100")
-def test_a_known_sm100_crash_of_tileiras_still_crashes():
+@pytest.mark.parametrize("key", KNOWN_SM100_CRASHES, ids=["fp32B-bf16C-n202", "fp16B-bf16C-n149"])
+def test_a_known_sm100_crash_of_tileiras_still_crashes(key):
     from kernels.variants import Variant, launch_signatures  # noqa: PLC0415
-    plan = ssd.make_plan(KNOWN_SM100_CRASH, None, "3xtf32", capability=100)
-    (scores,) = [(name, cfg, sig) for name, cfg, sig in launch_signatures(KNOWN_SM100_CRASH, plan)
+    plan = ssd.make_plan(key, None, "3xtf32", capability=100)
+    (scores,) = [(name, cfg, sig) for name, cfg, sig in launch_signatures(key, plan)
                  if name == "chunk_scores"]
     result = compile_variant(Variant(*scores, ("known crash",), "3xtf32"), "sm_100")
     assert result.ok, result.error
