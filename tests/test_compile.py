@@ -59,7 +59,7 @@ def test_variant_compiles(compiled, variant, target):
 # or fp16 with C bf16 and B float32 with C fp16; not at dstate 160, 192, 200 or 256, at 17 to
 # 131 padded to 128 or less, nor with C float32 or B's dtype C's. sm_80 and sm_90 compile all of
 # them. Found compiling the plans tests/test_plans.py draws (MAMBA2_CUTILE_DRAWN_COMPILES;
-# ``known_sm100_crash`` there allows it). A toolchain that compiles one of these turns its xfail
+# ``_known_sm100_crash`` there allows it). A toolchain that compiles one of these turns its xfail
 # into a failure: then remove the test and the drawn test's allowance.
 KNOWN_SM100_CRASHES = [
     ssd.ProblemKey(batch=1, seqlen=4096, nheads=128, headdim=53, dstate=202, ngroups=4,

@@ -173,9 +173,11 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     from zero), then the walk of both from float32 entering states. 32 pairs split in eight
     (four fill one round alone; from four, twice as many run paired), their first seven segments
     whole; at dstate 256, where the walk does not pair, four segments, and the parts fill one
-    block an SM. No split below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs
-    times segments stay under WALK_MIN_SPLIT_ROW_HEADS (segments shorter than
-    WALK_SEGMENT_MIN_CHUNKS cap them), nor for fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
+    block an SM. 67 to 95 pairs, whose two segments do not fit one round alone and which the
+    unsplit walk does not take (from WALK_MIN_SPLIT_ROW_HEADS), two segments paired. No split
+    below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs times segments stay under
+    WALK_MIN_SPLIT_ROW_HEADS (segments shorter than WALK_SEGMENT_MIN_CHUNKS cap them), nor for
+    fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
     key = replace(anchor_key(), batch=1, seqlen=65536, chunk_size=64)
     assert ssd.default_chunk_size(_meta_problem(replace(key, chunk_size=256),
                                                 return_final_states=True)) == 64
