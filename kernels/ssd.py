@@ -358,15 +358,27 @@ WALK_MIN_SPLIT_ROW_HEADS = 96
 # two segments (the third anchor's 64 pairs) four paired took 1.032x there (0.995x / 1.036x out
 # alone / with final states at adb1575, ab_split_adb1575.txt).
 WALK_PAIRED_SEGMENTS_FROM = 4
-# From one segment too, where two do not fit one round alone and the unsplit walk does not take
-# the call (its blocks more than half the SMs, its pairs under WALK_MIN_SPLIT_ROW_HEADS: 67 to
-# 95 pairs at headdim 64 on the H200), two paired, from WALK_MIN_PAIRED_SPLIT_ROW_HEADS pairs.
-# On the H200 at d677366 over 16,384 to 65,536 tokens at 72 and 80 pairs, which ran the fused
-# state scan out alone and chunk 256 with final states: out alone 0.763-0.810x the fused scan
-# and 0.853-0.953x chunk 256 (which beat the scan there, 0.850-0.894x; the unsplit walk
-# 1.000-1.022x the scan), with final states 0.903-0.915x chunk 256 (the unsplit walk
-# 1.058-1.078x), out as near float64 (2.26e-3 normwise; experiments/ab_gap_d677366.json).
-# Untimed: two paired against the unsplit walk from 96 pairs, which keep it.
+# Where the split of one round alone leaves the walk fewer than WALK_MIN_SPLIT_ROW_HEADS blocks
+# (it does not take the call) or no split (one segment: the unsplit walk's blocks more than half
+# the SMs, 67 to 127 pairs at headdim 64), twice the segments, paired, from
+# WALK_MIN_PAIRED_SPLIT_ROW_HEADS pairs times segments:
+# - one segment to two. On the H200 at d677366 over 16,384 to 65,536 tokens at 72 and 80 pairs,
+#   which ran the fused state scan out alone and chunk 256 with final states: out alone
+#   0.763-0.810x the fused scan and 0.853-0.953x chunk 256 (which beat the scan there,
+#   0.850-0.894x; the unsplit walk 1.000-1.022x the scan), with final states 0.903-0.915x chunk
+#   256 (the unsplit walk 1.058-1.078x), out as near float64 (2.26e-3 normwise;
+#   experiments/ab_gap_d677366.json). On the H100 at 900e124 from 96 pairs, against the unsplit
+#   walk: 0.759x and 0.772x at 96 and 112 pairs over 65,536 and 32,768 tokens, 0.819x at 4 x 24
+#   heads over 16,384, 0.862x with final states (reports/h100/experiments/ab_s2_900e124.json).
+# - two segments to four at 34 to 47 pairs, which ran chunk 256 (ssd_forward's pick where the
+#   walk does not take the call). On the H100 at 900e124 against chunk 256: 0.807x and 0.810x
+#   at 40 pairs over 65,536 tokens, 0.822x at 2 x 20 heads over 32,768, 0.903x at 36 pairs over
+#   16,384, 0.794x with final states at 44 pairs over 32,768, out's error 2.05-2.19e-3
+#   normwise against chunk 256's 2.01-2.14e-3 (ab_s4_900e124.json, ab_s4b_900e124.json). At 48
+#   pairs, where two alone take the call, four paired took 0.914x there (one case; at 64, the
+#   third anchor, 1.032x on the H200, above): not dispatched.
+# Untimed on the H200 from 96 pairs and at 34 to 47; untimed anywhere: four segments to eight
+# (17 to 23 pairs) and eight to sixteen (9 to 11), which keep chunk 256.
 WALK_MIN_PAIRED_SPLIT_ROW_HEADS = 66
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
@@ -777,8 +789,10 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     whose blocks fit one round on ``sms`` SMs, one block an SM, with WALK_SEGMENT_MIN_CHUNKS
     chunks or more each; from WALK_PAIRED_SEGMENTS_FROM such segments, where the walk takes them
     (pairs times segments reach WALK_MIN_SPLIT_ROW_HEADS) and bf16's walk pairs at the call's
-    dstate (WALK_PAIRING), twice as many, in one round two to an SM, where they are as long; so
-    from one segment, two, from WALK_MIN_PAIRED_SPLIT_ROW_HEADS pairs to the unsplit walk's."""
+    dstate (WALK_PAIRING), twice as many, in one round two to an SM, where they are as long; and
+    so below WALK_PAIRED_SEGMENTS_FROM segments where pairs times segments reach
+    WALK_MIN_PAIRED_SPLIT_ROW_HEADS and the walk would not take the call (or there is no split):
+    two segments paired from 67 to 127 pairs, four from 34 to 47 (at headdim 64 on 132 SMs)."""
     if (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
             or key.nchunks < WALK_SPLIT_MIN_CHUNKS):
         return 1
@@ -791,11 +805,11 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     segments = 1
     while fits(segments, 1):
         segments *= 2
-    if segments == 1:
-        doubles = WALK_MIN_PAIRED_SPLIT_ROW_HEADS <= pairs < WALK_MIN_SPLIT_ROW_HEADS
+    if segments >= WALK_PAIRED_SEGMENTS_FROM:
+        doubles = pairs * segments >= WALK_MIN_SPLIT_ROW_HEADS
     else:
-        doubles = (segments >= WALK_PAIRED_SEGMENTS_FROM
-                   and pairs * segments >= WALK_MIN_SPLIT_ROW_HEADS)
+        doubles = (pairs * segments >= WALK_MIN_PAIRED_SPLIT_ROW_HEADS
+                   and (segments == 1 or pairs * segments < WALK_MIN_SPLIT_ROW_HEADS))
     if doubles and fits(segments, 2) and next_pow2(key.dstate) <= WALK_PAIRING["input"][0]:
         segments *= 2
     return segments

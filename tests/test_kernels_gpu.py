@@ -725,14 +725,15 @@ def _assert_walks_agree(out, final, other_out, other_final):
     (None, False, False, 128, 1, 48), ("channel", False, True, 128, 1, 48),
     (None, True, True, 128, 1, 48), ("head", False, False, 128, 1, 48),
     ("channel", False, True, 256, 1, 48), ("head", False, True, 128, 2, 48),
-    ("head", False, False, 128, 1, 80), ("channel", False, True, 128, 2, 80)])
+    ("head", False, False, 128, 1, 80), ("channel", False, True, 128, 2, 80),
+    ("head", False, True, 128, 1, 112)])
 def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unsplit_walk(
         D, z, final_states, dstate, batch, pairs):
     """48 (row, head) pairs over 257 chunks, bf16, one row of 48 heads or two of 24: the walk
     in two segments of 129 and 128 chunks, the last partial (``ssd.walk_segments``), the first's
     end state in four parts (``ssd.segment_split``; two at dstate 256, where the walk does not
-    pair), from initial states, at dstate 128 and 256; 80 pairs (one row or two), whose two
-    segments run paired and the first's end state in two parts; each held to the rule against
+    pair), from initial states, at dstate 128 and 256; 80 and 112 pairs (one row or two), whose
+    two segments run paired and the first's end state in two parts; each held to the rule against
     float64; and its out and final states within a few units of the output dtype of the
     unsplit walk's (the same plan, one segment), whose sums it orders otherwise only at the
     segments' seams."""
@@ -746,8 +747,8 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=final_states)
     assert pipeline.plan.walk_segments == 2
-    assert pipeline.plan.segment_split == (2 if dstate == 256 or pairs == 80 else 4)
-    assert pipeline.plan.scan_out.occupancy == (2 if pairs == 80 else None)
+    assert pipeline.plan.segment_split == (2 if dstate == 256 or pairs > 66 else 4)
+    assert pipeline.plan.scan_out.occupancy == (2 if pairs > 66 else None)
     assert pipeline.plan.segment_states is not None
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
@@ -876,36 +877,41 @@ def test_the_walk_near_the_top_of_float32s_range(batch, seqlen, nheads):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_the_walk_in_twice_the_segments_paired_passes_the_rule_and_agrees_with_half_as_many():
-    """16 (row, head) pairs over 1,025 chunks, bf16, z and D per channel, from initial states,
-    returning final states: the walk in sixteen segments, two blocks an SM (eight fill one
-    round alone: ``ssd.walk_segments`` doubles them), its states-only walk whole
-    (``ssd.segment_split``), held to the rule against float64; and its out and final states
-    within a few units of bf16 and 1e-5 of the same call in eight segments, one block an SM."""
+@pytest.mark.parametrize("nheads, seqlen, segments, parts", [(16, 65600, 16, 1), (40, 16400, 4, 2)])
+def test_the_walk_in_twice_the_segments_paired_passes_the_rule_and_agrees_with_half_as_many(
+        nheads, seqlen, segments, parts):
+    """16 (row, head) pairs over 1,025 chunks and 40 over 257, bf16, z and D per channel, from
+    initial states, returning final states: the walk in sixteen segments and in four, two blocks
+    an SM (eight and two fill one round alone: ``ssd.walk_segments`` doubles them, the two
+    where 80 blocks alone are too few for the walk to take the call), its states-only walk in
+    ``parts`` (``ssd.segment_split``), held to the rule against float64; and its out and final
+    states within a few units of bf16 and 1e-5 of the same call in half the segments, one
+    block an SM."""
     from dataclasses import replace as changed
 
     from kernels import ssd
     from kernels.gpu_check import check_problem
-    spec = ProblemSpec(batch=1, seqlen=65600, nheads=16, headdim=64, dstate=128, ngroups=1,
+    spec = ProblemSpec(batch=1, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128, ngroups=1,
                        chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D="channel", z=True,
                        initial_states=True, return_final_states=True)
     problem = build_problem(spec, "cuda")
     pipeline = ssd.stage_pipeline(problem, states_returned=True)
     plan = pipeline.plan
-    assert (plan.walk_segments, plan.segment_split) == (16, 1)
+    assert (plan.walk_segments, plan.segment_split) == (segments, parts)
     assert plan.scan_out.occupancy == plan.segment_states.occupancy == 2
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
     key = ssd.ProblemKey.from_problem(problem, False, False, states_returned=True)
     sms = torch.cuda.get_device_properties(problem.x.device).multi_processor_count
     capability = ssd.compute_capability(problem.x.device)
-    parts = ssd.segment_split(key, 8, sms)
+    half = segments // 2
+    half_parts = ssd.segment_split(key, half, sms)
     halved = changed(pipeline, plan=changed(
-        plan, walk_segments=8, segment_split=parts,
+        plan, walk_segments=half, segment_split=half_parts,
         scan_out=changed(plan.scan_out, occupancy=ssd.walk_occupancy(key, "input", sms,
-                                                                     capability, 8)),
+                                                                     capability, half)),
         segment_states=changed(plan.segment_states, occupancy=ssd.walk_occupancy(
-            key, "input", sms, capability, 7 * parts))))
+            key, "input", sms, capability, (half - 1) * half_parts))))
     assert halved.plan.scan_out.occupancy is None
     (out, final), (halved_out, halved_final) = (p.walk(*p.cumsum()) for p in (pipeline, halved))
     _assert_walks_agree(out, final, halved_out, halved_final)

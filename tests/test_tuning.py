@@ -173,8 +173,9 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     from zero), then the walk of both from float32 entering states. 32 pairs split in eight
     (four fill one round alone; from four, twice as many run paired), their first seven segments
     whole; at dstate 256, where the walk does not pair, four segments, and the parts fill one
-    block an SM. 67 to 95 pairs, whose two segments do not fit one round alone and which the
-    unsplit walk does not take (from WALK_MIN_SPLIT_ROW_HEADS), two segments paired. No split
+    block an SM. 67 to 127 pairs, whose two segments do not fit one round alone, two segments
+    paired; 34 to 47, whose two segments alone the walk does not take (pairs times segments
+    under WALK_MIN_SPLIT_ROW_HEADS), four paired, and 17 to 23 in four alone not. No split
     below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs times segments stay under
     WALK_MIN_SPLIT_ROW_HEADS (segments shorter than WALK_SEGMENT_MIN_CHUNKS cap them), nor for
     fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
@@ -218,16 +219,16 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     assert ssd.walk_segments(replace(key, nheads=12), 132) == 16         # 96 pairs of 8
     assert ssd.walk_segments(replace(key, nheads=2), 132) == ssd.WALK_MAX_SEGMENTS == 16
     assert ssd.walk_segments(replace(key, batch=2), 132) == 1            # 128 pairs
-    for nheads in (67, 80, 95):                        # 2 don't fit one round alone, 2 paired
-        paired_two = ssd.make_plan(replace(key, nheads=nheads))
-        assert (paired_two.walk_segments, paired_two.scan_out.occupancy) == (2, 2), nheads
+    for nheads, segments in ((67, 2), (80, 2), (96, 2), (127, 2), (34, 4), (40, 4), (47, 4)):
+        paired = ssd.make_plan(replace(key, nheads=nheads))    # twice those of one round alone
+        assert (paired.walk_segments, paired.scan_out.occupancy) == (segments, 2), nheads
         assert ssd.default_chunk_size(_meta_problem(replace(key, nheads=nheads, chunk_size=256),
                                                     return_final_states=True)) == 64
-    for nheads in (96, 127):                                            # the unsplit walk's
-        assert ssd.walk_segments(replace(key, nheads=nheads), 132) == 1
-        assert ssd.make_plan(replace(key, nheads=nheads)).scan_out.segmented is False
-    assert ssd.walk_segments(replace(key, nheads=66), 132) == 2          # one round alone
-    assert ssd.make_plan(replace(key, nheads=66)).scan_out.occupancy is None
+    for nheads in (48, 66):                                  # two alone, one round, 96+ blocks
+        assert ssd.walk_segments(replace(key, nheads=nheads), 132) == 2
+        assert ssd.make_plan(replace(key, nheads=nheads)).scan_out.occupancy is None
+    assert ssd.walk_segments(replace(key, nheads=20), 132) == 4          # 80 blocks: not timed
+    assert ssd.make_plan(replace(key, nheads=20)).scan_out is None
     assert ssd.walk_segments(replace(key, nheads=80, dstate=256), 132) == 1  # no pairs
     assert ssd.make_plan(replace(key, nheads=80, dstate=256)).scan_out is None
     assert ssd.walk_segments(replace(key, nheads=40, headdim=128), 132) == 1  # 80 blocks, 40 pairs
@@ -238,7 +239,6 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     short_out_alone = ssd.make_plan(replace(out_alone, seqlen=8192))     # the fused scan's
     assert [name for name, _ in short_out_alone.named_configs()] == [
         "chunk_cumsum", "state_scan", "chunk_scores", "compute_out"]
-    assert ssd.make_plan(replace(key, nheads=40)).scan_out is None       # 80 blocks in 2
     assert ssd.make_plan(replace(key, nheads=8)).walk_segments == 16     # 1024 chunks
     assert ssd.make_plan(replace(key, nheads=8, seqlen=32768)).scan_out is None  # 64 blocks
     fp16 = replace(key, x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)
