@@ -65,6 +65,10 @@ TARGETS = ("sm_80", "sm_90", "sm_100")
 # Shared memory one block may use (CUDA C++ Programming Guide, compute capabilities table):
 # 163 KB on 8.0, 227 KB on 9.0 and 10.0. A kernel that takes more fails at launch.
 MAX_BLOCK_SHARED_BYTES = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
+# An SM's shared memory, of which CUDA reserves 1 KB a resident block for itself (the same guide,
+# from 8.0 on): the blocks an SM holds at once are at most SM / (a block's own + 1 KB).
+SM_SHARED_BYTES = {"sm_80": 164 * 1024, "sm_90": 228 * 1024, "sm_100": 228 * 1024}
+RESERVED_BLOCK_SHARED_BYTES = 1024
 REMARK_TARGET = "sm_90"
 # cuTile's compile flags for a kernel with default options (cuda/tile/_compile.py: compile_cubin).
 TILEIRAS_FLAGS = ("-O3", "--lineinfo")
@@ -676,6 +680,23 @@ def violations(variant: Variant, result: CompileResult) -> list[str]:
     return problems
 
 
+def occupancy_shortfall(variant: Variant, result: CompileResult) -> str:
+    """Why an SM of the target cannot hold the blocks the variant's occupancy hint asks for
+    ('' where it can): a block's shared memory plus the 1 KB CUDA reserves, times the blocks,
+    past the SM's. On sm_90 two blocks an SM need 115,712 bytes or less each; tileiras 13.4 gave
+    the six found (tests/test_compile.py) 115,928 to 115,960, under half the 227 KB a block may
+    use (116,224), as if it budgeted for occupancy 2 without the reserve: they run one an SM."""
+    asked = getattr(variant.config, "occupancy", None)
+    if not (result.ok and asked and result.shared_bytes):
+        return ""
+    held = SM_SHARED_BYTES[result.target] // (result.shared_bytes + RESERVED_BLOCK_SHARED_BYTES)
+    if held >= asked:
+        return ""
+    return (f"occupancy {asked} asked, {held} held: {result.shared_bytes:,} bytes of shared "
+            f"memory a block (+ {RESERVED_BLOCK_SHARED_BYTES:,} reserved) against the SM's "
+            f"{SM_SHARED_BYTES[result.target]:,}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m kernels.variants", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -708,6 +729,8 @@ def main(argv=None) -> int:
               f"smem={r.shared_bytes / 1024:.1f}KB{tc} {r.variant}")
         for p in problems:
             print("     " + p.replace("\n", "\n     "))
+        if shortfall := occupancy_shortfall(variants[r.variant, r.target], r):
+            print("     note: " + shortfall)
     print(f"{len(results)} compiles, {failures} failed, {time.perf_counter() - start:.0f} s")
     if args.out:
         from properties.provenance import write_json  # noqa: PLC0415

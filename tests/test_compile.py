@@ -22,8 +22,9 @@ import torch
 from kernels import ssd
 from kernels.tile_ops import CT_DTYPE
 from kernels.variants import (COVERING_KEYS, MAX_BLOCK_SHARED_BYTES, MMA_KERNELS, TARGETS,
-                              compile_all, compile_variant, covering_variants, recorded_launches,
-                              target_capability, tile_ir, violations)
+                              CompileResult, compile_all, compile_variant, covering_variants,
+                              occupancy_shortfall, recorded_launches, target_capability, tile_ir,
+                              violations)
 from kernels.gpu_report import ANCHORS
 from properties.problems import ProblemSpec, build_problem
 
@@ -51,6 +52,67 @@ def test_variant_compiles(compiled, variant, target):
         variant.name, target, result.shared_bytes)
     problems = violations(variant, result)
     assert not problems, f"{variant.config.describe()} on {target}: {problems}"
+
+
+# The variants an SM cannot hold as many of as their occupancy hint asks (shared memory and the
+# 1 KB CUDA reserves a block: kernels.variants.occupancy_shortfall), with tileiras 13.4; they run
+# fewer blocks an SM than the plan's tuning assumed. On sm_90, the H200's target: chunk_state
+# at chunk 256 and the split walk's states-only walk out alone (the third anchor's), two
+# asked, one held, at 115,928 to 115,960 bytes a block, where two need 115,712 or less. Their
+# load-latency hints take them under it (chunk_state's latency 1 or 3, segment_states's
+# b_latency 10; the README's Next has the A/B). A compile that adds or drops one fails the test:
+# then update this list and say why.
+KNOWN_OCCUPANCY_SHORTFALLS = {
+    "sm_80": (
+        "compute_out[anchor-b4-L8192-h32-g8-shared-scores-ordered]",
+        "compute_out[anchor-b8-L4096-h64-out-transposed]",
+        "compute_out[anchor-b8-L4096-h64-states-transposed-ordered]",
+        "scan_out[b1-L65536-h32-q64-out-only-walk-segments-start]",
+    ),
+    "sm_90": (
+        "chunk_state[anchor-b1-L65536-h64]",
+        "chunk_state[anchor-b4-L8192-h32-g8]",
+        "chunk_state[anchor-b8-L4096-h64-out-only]",
+        "chunk_state[anchor-b8-L4096-h64-states-transposed-ordered]",
+        "chunk_state[anchor-b8-L4096-h64]",
+        "segment_states[b1-L65536-h32-q64-out-only-walk-segments-start]",
+    ),
+    "sm_100": (
+        "chunk_state[fp16-anchor-b8-L4096-h64-2xfp16-out-only]",
+        "chunk_state[fp16-anchor-b8-L4096-h64-2xfp16]",
+        "compute_out[anchor-b2-L4096-h64-q64-out-only-fused-z-d-per-channel]",
+        "compute_out[anchor-b4-L8192-h32-g8-q128-out-only-fused]",
+        "compute_out[anchor-b4-L8192-h32-g8]",
+        "compute_out[anchor-b8-L4096-h64-2xbf16]",
+        "compute_out[anchor-b8-L4096-h64-out-only]",
+        "compute_out[anchor-b8-L4096-h64-out-transposed]",
+        "compute_out[anchor-b8-L4096-h64-z-d-per-channel-out-only]",
+        "compute_out[int64-b1-L139264-h256]",
+    ),
+}
+
+
+def test_each_variant_gets_the_blocks_an_sm_it_asks_for_or_is_a_known_shortfall(compiled):
+    short = {target: sorted(v.name for v, t in COMPILES if t == target
+                            and occupancy_shortfall(v, compiled[(v.name, t)]))
+             for target in TARGETS}
+    assert short == {t: sorted(names) for t, names in KNOWN_OCCUPANCY_SHORTFALLS.items()}
+
+
+def test_occupancy_shortfall_counts_the_reserved_kilobyte_of_each_block():
+    """Two blocks an sm_90 SM (228 KB) hold at 115,712 bytes each, not at 115,713: each takes
+    1 KB more; no hint, no shortfall; sm_80's SM holds 164 KB."""
+    variant = next(v for v in VARIANTS if getattr(v.config, "occupancy", None) == 2)
+
+    def result(target, shared_bytes):
+        return CompileResult(variant.name, target, ok=True, seconds=0.0, shared_bytes=shared_bytes)
+    assert occupancy_shortfall(variant, result("sm_90", 115_712)) == ""
+    assert occupancy_shortfall(variant, result("sm_90", 115_713)).startswith(
+        "occupancy 2 asked, 1 held: 115,713 bytes")
+    assert occupancy_shortfall(variant, result("sm_80", 82_944)) == ""
+    assert occupancy_shortfall(variant, result("sm_80", 82_945)) != ""
+    unhinted = next(v for v in VARIANTS if getattr(v.config, "occupancy", 1) is None)
+    assert occupancy_shortfall(unhinted, result("sm_90", 200_000)) == ""
 
 
 # tileiras 13.4 crashes (SIGILL, no message) compiling scores kernels for sm_100 in '3xtf32'
