@@ -65,10 +65,12 @@ TARGETS = ("sm_80", "sm_90", "sm_100")
 # Shared memory one block may use (CUDA C++ Programming Guide, compute capabilities table):
 # 163 KB on 8.0, 227 KB on 9.0 and 10.0. A kernel that takes more fails at launch.
 MAX_BLOCK_SHARED_BYTES = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_100": 227 * 1024}
-# An SM's shared memory, of which CUDA reserves 1 KB a resident block for itself (the same guide,
-# from 8.0 on): the blocks an SM holds at once are at most SM / (a block's own + 1 KB).
-SM_SHARED_BYTES = {"sm_80": 164 * 1024, "sm_90": 228 * 1024, "sm_100": 228 * 1024}
+# CUDA reserves 1 KB of an SM's shared memory a resident block (the same guide, from 8.0 on), the
+# difference between the SM's (164, 228 and 228 KB) and a block's most: an SM holds at most
+# SM / (a block's own + 1 KB) blocks at once.
 RESERVED_BLOCK_SHARED_BYTES = 1024
+SM_SHARED_BYTES = {target: most + RESERVED_BLOCK_SHARED_BYTES
+                   for target, most in MAX_BLOCK_SHARED_BYTES.items()}
 REMARK_TARGET = "sm_90"
 # cuTile's compile flags for a kernel with default options (cuda/tile/_compile.py: compile_cubin).
 TILEIRAS_FLAGS = ("-O3", "--lineinfo")
@@ -683,9 +685,8 @@ def violations(variant: Variant, result: CompileResult) -> list[str]:
 def occupancy_shortfall(variant: Variant, result: CompileResult) -> str:
     """Why an SM of the target cannot hold the blocks the variant's occupancy hint asks for
     ('' where it can): a block's shared memory plus the 1 KB CUDA reserves, times the blocks,
-    past the SM's. On sm_90 two blocks an SM need 115,712 bytes or less each; tileiras 13.4 gave
-    the six found (tests/test_compile.py) 115,928 to 115,960, under half the 227 KB a block may
-    use (116,224), as if it budgeted for occupancy 2 without the reserve: they run one an SM."""
+    past the SM's: on sm_90 two blocks an SM need 115,712 bytes or less each, not the 116,224 of
+    half a block's most (tests/test_compile.py lists the variants found past it)."""
     asked = getattr(variant.config, "occupancy", None)
     if not (result.ok and asked and result.shared_bytes):
         return ""
