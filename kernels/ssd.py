@@ -377,8 +377,13 @@ WALK_PAIRED_SEGMENTS_FROM = 4
 #   normwise against chunk 256's 2.01-2.14e-3 (ab_s4_900e124.json, ab_s4b_900e124.json). At 48
 #   pairs, where two alone take the call, four paired took 0.914x there (one case; at 64, the
 #   third anchor, 1.032x on the H200, above): not dispatched.
-# Untimed on the H200 from 96 pairs and at 34 to 47; untimed anywhere: four segments to eight
-# (17 to 23 pairs) and eight to sixteen (9 to 11), which keep chunk 256.
+# - four segments to eight at 17 to 23 pairs and eight to sixteen at 9 to 11, which ran chunk
+#   256 (68 to 92 blocks alone, too few for the walk). On the H100 at 96fe790 against chunk
+#   256: 0.834x at 20 pairs over 65,536 tokens, 0.865x with final states at 22 over 32,768,
+#   0.745x and 0.684x at 10 and 9 over 65,536; out's error 2.01-2.27e-3 normwise against chunk
+#   256's 2.01-2.21e-3 (reports/h100/experiments/ab_g_96fe790.json, ab_g2_96fe790.json). So
+#   from WALK_PAIRED_SEGMENTS_FROM segments this is the threshold too.
+# Untimed on the H200 from 96 pairs, at 34 to 47 and at 9 to 23.
 WALK_MIN_PAIRED_SPLIT_ROW_HEADS = 66
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
@@ -787,12 +792,12 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     """The segments the walk splits each sequence into: 1 from SCAN_OUT_MIN_ROW_HEADS pairs or
     below WALK_SPLIT_MIN_CHUNKS chunks, else the most (a power of two, up to WALK_MAX_SEGMENTS)
     whose blocks fit one round on ``sms`` SMs, one block an SM, with WALK_SEGMENT_MIN_CHUNKS
-    chunks or more each; from WALK_PAIRED_SEGMENTS_FROM such segments, where the walk takes them
-    (pairs times segments reach WALK_MIN_SPLIT_ROW_HEADS) and bf16's walk pairs at the call's
-    dstate (WALK_PAIRING), twice as many, in one round two to an SM, where they are as long; and
-    so below WALK_PAIRED_SEGMENTS_FROM segments where pairs times segments reach
-    WALK_MIN_PAIRED_SPLIT_ROW_HEADS and the walk would not take the call (or there is no split):
-    two segments paired from 67 to 127 pairs, four from 34 to 47 (at headdim 64 on 132 SMs)."""
+    chunks or more each; twice as many, in one round two to an SM, where they are as long, pairs
+    times segments reach WALK_MIN_PAIRED_SPLIT_ROW_HEADS and bf16's walk pairs at the call's
+    dstate (WALK_PAIRING): from WALK_PAIRED_SEGMENTS_FROM such segments always, below only where
+    the walk would not take the call (or there is no split). At headdim 64 on 132 SMs: two
+    segments paired from 67 to 127 pairs, four from 34 to 47, eight from 17 to 23 and 24 to 33,
+    sixteen from 9 to 11 and 12 to 16."""
     if (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
             or key.nchunks < WALK_SPLIT_MIN_CHUNKS):
         return 1
@@ -806,7 +811,7 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     while fits(segments, 1):
         segments *= 2
     if segments >= WALK_PAIRED_SEGMENTS_FROM:
-        doubles = pairs * segments >= WALK_MIN_SPLIT_ROW_HEADS
+        doubles = pairs * segments >= WALK_MIN_PAIRED_SPLIT_ROW_HEADS
     else:
         doubles = (pairs * segments >= WALK_MIN_PAIRED_SPLIT_ROW_HEADS
                    and (segments == 1 or pairs * segments < WALK_MIN_SPLIT_ROW_HEADS))

@@ -877,13 +877,15 @@ def test_the_walk_near_the_top_of_float32s_range(batch, seqlen, nheads):
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("nheads, seqlen, segments, parts", [(16, 65600, 16, 1), (40, 16400, 4, 2)])
+@pytest.mark.parametrize("nheads, seqlen, segments, parts", [
+    (16, 65600, 16, 1), (40, 16400, 4, 2), (20, 32832, 8, 1)])
 def test_the_walk_in_twice_the_segments_paired_passes_the_rule_and_agrees_with_half_as_many(
         nheads, seqlen, segments, parts):
-    """16 (row, head) pairs over 1,025 chunks and 40 over 257, bf16, z and D per channel, from
-    initial states, returning final states: the walk in sixteen segments and in four, two blocks
-    an SM (eight and two fill one round alone: ``ssd.walk_segments`` doubles them, the two
-    where 80 blocks alone are too few for the walk to take the call), its states-only walk in
+    """16 (row, head) pairs over 1,025 chunks, 40 over 257 and 20 over 513, bf16, z and D per
+    channel, from initial states, returning final states: the walk in sixteen, four and eight
+    segments, two blocks an SM (eight, two and four fill one round alone: ``ssd.walk_segments``
+    doubles them, the two and four where 80 blocks alone are too few for the walk to take the
+    call), its states-only walk in
     ``parts`` (``ssd.segment_split``), held to the rule against float64; and its out and final
     states within a few units of bf16 and 1e-5 of the same call in half the segments, one
     block an SM."""

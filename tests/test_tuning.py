@@ -175,7 +175,7 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     whole; at dstate 256, where the walk does not pair, four segments, and the parts fill one
     block an SM. 67 to 127 pairs, whose two segments do not fit one round alone, two segments
     paired; 34 to 47, whose two segments alone the walk does not take (pairs times segments
-    under WALK_MIN_SPLIT_ROW_HEADS), four paired, and 17 to 23 in four alone not. No split
+    under WALK_MIN_SPLIT_ROW_HEADS), four paired; 17 to 23 eight, 9 to 11 sixteen. No split
     below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs times segments stay under
     WALK_MIN_SPLIT_ROW_HEADS (segments shorter than WALK_SEGMENT_MIN_CHUNKS cap them), nor for
     fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
@@ -219,7 +219,8 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     assert ssd.walk_segments(replace(key, nheads=12), 132) == 16         # 96 pairs of 8
     assert ssd.walk_segments(replace(key, nheads=2), 132) == ssd.WALK_MAX_SEGMENTS == 16
     assert ssd.walk_segments(replace(key, batch=2), 132) == 1            # 128 pairs
-    for nheads, segments in ((67, 2), (80, 2), (96, 2), (127, 2), (34, 4), (40, 4), (47, 4)):
+    for nheads, segments in ((67, 2), (80, 2), (96, 2), (127, 2), (34, 4), (40, 4), (47, 4),
+                             (17, 8), (20, 8), (23, 8), (9, 16), (11, 16)):
         paired = ssd.make_plan(replace(key, nheads=nheads))    # twice those of one round alone
         assert (paired.walk_segments, paired.scan_out.occupancy) == (segments, 2), nheads
         assert ssd.default_chunk_size(_meta_problem(replace(key, nheads=nheads, chunk_size=256),
@@ -227,8 +228,10 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     for nheads in (48, 66):                                  # two alone, one round, 96+ blocks
         assert ssd.walk_segments(replace(key, nheads=nheads), 132) == 2
         assert ssd.make_plan(replace(key, nheads=nheads)).scan_out.occupancy is None
-    assert ssd.walk_segments(replace(key, nheads=20), 132) == 4          # 80 blocks: not timed
-    assert ssd.make_plan(replace(key, nheads=20)).scan_out is None
+    assert ssd.walk_segments(replace(key, nheads=5), 132) == 16          # 80 blocks, no more
+    assert ssd.make_plan(replace(key, nheads=5)).scan_out is None
+    assert ssd.walk_segments(replace(key, nheads=20, seqlen=16384), 132) == 4   # 256 chunks
+    assert ssd.make_plan(replace(key, nheads=20, seqlen=16384)).scan_out is None
     assert ssd.walk_segments(replace(key, nheads=80, dstate=256), 132) == 1  # no pairs
     assert ssd.make_plan(replace(key, nheads=80, dstate=256)).scan_out is None
     assert ssd.walk_segments(replace(key, nheads=40, headdim=128), 132) == 1  # 80 blocks, 40 pairs
