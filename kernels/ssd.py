@@ -382,7 +382,11 @@ WALK_PAIRED_SEGMENTS_FROM = 4
 #   256: 0.834x at 20 pairs over 65,536 tokens, 0.865x with final states at 22 over 32,768,
 #   0.745x and 0.684x at 10 and 9 over 65,536; out's error 2.01-2.27e-3 normwise against chunk
 #   256's 2.01-2.21e-3 (reports/h100/experiments/ab_g_96fe790.json, ab_g2_96fe790.json). So
-#   from WALK_PAIRED_SEGMENTS_FROM segments this is the threshold too.
+#   from WALK_PAIRED_SEGMENTS_FROM segments this is the threshold too. As dispatched at cec75d2
+#   on the H100, 0.608-0.867x chunk 256 at 11 shapes of 9 to 23 pairs (17 over 32,768 tokens
+#   0.867x, 10 over 131,072 0.721x, dstate 64 0.608x, 2 x 5 and 3 x 7 heads, z and D, final
+#   states), out's error 1.95-2.27e-3 against 1.92-2.21e-3 (ab_split_dispatch_cec75d2.json,
+#   ab_split_dispatch2_cec75d2.json).
 # Untimed on the H200 from 96 pairs, at 34 to 47 and at 9 to 23.
 WALK_MIN_PAIRED_SPLIT_ROW_HEADS = 66
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
