@@ -799,9 +799,9 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     chunks or more each; twice as many, in one round two to an SM, where they are as long, pairs
     times segments reach WALK_MIN_PAIRED_SPLIT_ROW_HEADS and bf16's walk pairs at the call's
     dstate (WALK_PAIRING): from WALK_PAIRED_SEGMENTS_FROM such segments always, below only where
-    the walk would not take the call (or there is no split). At headdim 64 on 132 SMs: two
-    segments paired from 67 to 127 pairs, four from 34 to 47, eight from 17 to 23 and 24 to 33,
-    sixteen from 9 to 11 and 12 to 16."""
+    the walk would not take the call (or there is no split). At headdim 64 over 65,536 tokens
+    on 132 SMs: two segments paired from 67 to 127 pairs, four from 34 to 47, eight from 17 to
+    33, sixteen from 9 to 16."""
     if (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
             or key.nchunks < WALK_SPLIT_MIN_CHUNKS):
         return 1

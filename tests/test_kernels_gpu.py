@@ -885,10 +885,9 @@ def test_the_walk_in_twice_the_segments_paired_passes_the_rule_and_agrees_with_h
     channel, from initial states, returning final states: the walk in sixteen, four and eight
     segments, two blocks an SM (eight, two and four fill one round alone: ``ssd.walk_segments``
     doubles them, the two and four where 80 blocks alone are too few for the walk to take the
-    call), its states-only walk in
-    ``parts`` (``ssd.segment_split``), held to the rule against float64; and its out and final
-    states within a few units of bf16 and 1e-5 of the same call in half the segments, one
-    block an SM."""
+    call), its states-only walk in ``parts`` (``ssd.segment_split``), held to the rule against
+    float64; and its out and final states within a few units of bf16 and 1e-5 of the same call
+    in half the segments, one block an SM."""
     from dataclasses import replace as changed
 
     from kernels import ssd
