@@ -60,8 +60,9 @@ def test_variant_compiles(compiled, variant, target):
 # at chunk 256 and the split walk's states-only walk out alone (the third anchor's), two
 # asked, one held, at 115,928 to 115,960 bytes a block, where two need 115,712 or less. Their
 # load-latency hints take them under it (chunk_state's latency 1 or 3, segment_states's
-# b_latency 10; the README's Next has the A/B). A compile that adds or drops one fails the test:
-# then update this list and say why.
+# b_latency 10) but gave no time back on the H100 at 96fe790 (0.987-1.046x;
+# reports/h100/experiments/ab_cs_96fe790.json, ab_ss_96fe790.json), so they stay. A compile
+# that adds or drops one fails the test: then update this list and say why.
 KNOWN_OCCUPANCY_SHORTFALLS = {
     "sm_80": (
         "compute_out[anchor-b4-L8192-h32-g8-shared-scores-ordered]",
