@@ -389,6 +389,21 @@ WALK_PAIRED_SEGMENTS_FROM = 4
 #   ab_split_dispatch2_cec75d2.json).
 # Untimed on the H200 from 96 pairs, at 34 to 47 and at 9 to 23.
 WALK_MIN_PAIRED_SPLIT_ROW_HEADS = 66
+# With final states, where one segment doubles to two paired, four alone (``walks_four_alone``):
+# the walk's float32-grade state update ('3xbf16') pays more for pairing than out alone's. On the
+# H100 at bb59be5 (reports/h100/experiments/ab_s4_bb59be5x.json to ab_s4d_bb59be5x.json: an
+# uncommitted knob doubling the segments once more, as ab arms) against two paired: 0.854x at 72
+# pairs over 16,384 tokens, 0.862x at 80 (three runs, the Mamba-2 2.7B prefill's heads), 0.834x at
+# 80 over 32,768 (2.2 to 2.4 rounds alone); lost at 96 over 65,536, 2.9 rounds (1.045x). Four
+# paired instead took 0.915-0.933x, two alone 1.323x. Out's error unchanged (2.05e-3 to 2.11e-3
+# normwise in both).
+# Not dispatched: out alone there four paired took 0.934-0.958x at 72 and 80 pairs and 2 x 40
+# heads (lost at 88 and 96: 1.029x, 1.156x), four alone 1.003-1.026x; pairing past one round lost
+# on the H200 at 384 blocks (``scan_out_occupancy``). Two alone to four paired out alone at 56 and
+# 64 pairs: 0.914-0.938x (the third anchor 0.933x and 0.938x), against 1.032x at the third anchor
+# on the H200 at 6a2f034 (0.995x at adb1575); with final states at 48 and 64 pairs 1.165-1.176x.
+# Untimed on the H200.
+WALK_FOUR_ALONE_MAX_ROUNDS = 2.5
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
 REFERENCE_SM_COUNT = 132
@@ -799,9 +814,10 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     chunks or more each; twice as many, in one round two to an SM, where they are as long, pairs
     times segments reach WALK_MIN_PAIRED_SPLIT_ROW_HEADS and bf16's walk pairs at the call's
     dstate (WALK_PAIRING): from WALK_PAIRED_SEGMENTS_FROM such segments always, below only where
-    the walk would not take the call (or there is no split). At headdim 64 over 65,536 tokens
-    on 132 SMs: two segments paired from 67 to 127 pairs, four from 34 to 47, eight from 17 to
-    33, sixteen from 9 to 16."""
+    the walk would not take the call (or there is no split); four alone instead of two paired
+    where ``walks_four_alone``. At headdim 64 over 65,536 tokens on 132 SMs: two segments paired
+    from 67 to 127 pairs (with final states four alone from 67 to 82), four from 34 to 47,
+    eight from 17 to 33, sixteen from 9 to 16."""
     if (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
             or key.nchunks < WALK_SPLIT_MIN_CHUNKS):
         return 1
@@ -821,7 +837,20 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
                    and (segments == 1 or pairs * segments < WALK_MIN_SPLIT_ROW_HEADS))
     if doubles and fits(segments, 2) and next_pow2(key.dstate) <= WALK_PAIRING["input"][0]:
         segments *= 2
+        if segments == 2 and walks_four_alone(key, sms):
+            segments = 4
     return segments
+
+
+def walks_four_alone(key: ProblemKey, sms: int) -> bool:
+    """Whether a call whose unsplit walk doubles to two segments paired (its blocks more than
+    half of ``sms`` SMs) walks in four, one block an SM, instead: where it returns final states
+    (its state update float32-grade, which pairs worse), the walk runs its blocks alone (not
+    both z and D), and the four segments' blocks take at most WALK_FOUR_ALONE_MAX_ROUNDS rounds
+    (67 to 82 pairs on 132 SMs; past one paired round, so ``walk_occupancy`` runs them alone).
+    The sequence makes four segments: WALK_SPLIT_MIN_CHUNKS is 4 x WALK_SEGMENT_MIN_CHUNKS."""
+    return (key.states_returned and not (key.has_d and key.z_dtype is not None)
+            and walk_blocks(key) * 4 <= WALK_FOUR_ALONE_MAX_ROUNDS * sms)
 
 
 def segment_split(key: ProblemKey, segments: int, sms: int) -> int:

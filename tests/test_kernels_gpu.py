@@ -733,7 +733,9 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
     in two segments of 129 and 128 chunks, the last partial (``ssd.walk_segments``), the first's
     end state in four parts (``ssd.segment_split``; two at dstate 256, where the walk does not
     pair), from initial states, at dstate 128 and 256; 80 and 112 pairs (one row or two), whose
-    two segments run paired and the first's end state in two parts; each held to the rule against
+    two segments run paired and the first's end state in two parts, but 80 with final states
+    in four segments one block an SM (``ssd.walks_four_alone``, the first three's end states
+    whole); each held to the rule against
     float64; and its out and final states within a few units of the output dtype of the
     unsplit walk's (the same plan, one segment), whose sums it orders otherwise only at the
     segments' seams."""
@@ -746,9 +748,11 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
                        D=D, z=z, initial_states=True, return_final_states=final_states)
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=final_states)
-    assert pipeline.plan.walk_segments == 2
-    assert pipeline.plan.segment_split == (2 if dstate == 256 or pairs > 66 else 4)
-    assert pipeline.plan.scan_out.occupancy == (2 if pairs > 66 else None)
+    four_alone = final_states and pairs == 80
+    assert pipeline.plan.walk_segments == (4 if four_alone else 2)
+    assert pipeline.plan.segment_split == (
+        1 if four_alone else 2 if dstate == 256 or pairs > 66 else 4)
+    assert pipeline.plan.scan_out.occupancy == (2 if pairs > 66 and not four_alone else None)
     assert pipeline.plan.segment_states is not None
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]

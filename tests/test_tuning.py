@@ -174,11 +174,12 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     (four fill one round alone; from four, twice as many run paired), their first seven segments
     whole; at dstate 256, where the walk does not pair, four segments, and the parts fill one
     block an SM. 67 to 127 pairs, whose two segments do not fit one round alone, two segments
-    paired; 34 to 47, whose two segments alone the walk does not take (pairs times segments
-    under WALK_MIN_SPLIT_ROW_HEADS), four paired; 17 to 23 eight, 9 to 11 sixteen. No split
-    below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs times segments stay under
-    WALK_MIN_SPLIT_ROW_HEADS (segments shorter than WALK_SEGMENT_MIN_CHUNKS cap them), nor for
-    fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
+    paired, but with final states four alone from 67 to 82 (2 to 2.5 rounds; not with both z
+    and D, which the walk takes paired only); 34 to 47, whose two segments alone the walk does
+    not take (pairs times segments under WALK_MIN_SPLIT_ROW_HEADS), four paired; 17 to 23
+    eight, 9 to 11 sixteen. No split below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs
+    times segments stay under WALK_MIN_SPLIT_ROW_HEADS (segments shorter than
+    WALK_SEGMENT_MIN_CHUNKS cap them), nor for fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
     key = replace(anchor_key(), batch=1, seqlen=65536, chunk_size=64)
     assert ssd.default_chunk_size(_meta_problem(replace(key, chunk_size=256),
                                                 return_final_states=True)) == 64
@@ -219,12 +220,23 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     assert ssd.walk_segments(replace(key, nheads=12), 132) == 16         # 96 pairs of 8
     assert ssd.walk_segments(replace(key, nheads=2), 132) == ssd.WALK_MAX_SEGMENTS == 16
     assert ssd.walk_segments(replace(key, batch=2), 132) == 1            # 128 pairs
-    for nheads, segments in ((67, 2), (80, 2), (96, 2), (127, 2), (34, 4), (40, 4), (47, 4),
+    for nheads, segments in ((83, 2), (96, 2), (127, 2), (34, 4), (40, 4), (47, 4),
                              (17, 8), (20, 8), (23, 8), (9, 16), (11, 16)):
         paired = ssd.make_plan(replace(key, nheads=nheads))    # twice those of one round alone
         assert (paired.walk_segments, paired.scan_out.occupancy) == (segments, 2), nheads
         assert ssd.default_chunk_size(_meta_problem(replace(key, nheads=nheads, chunk_size=256),
                                                     return_final_states=True)) == 64
+    for nheads in (67, 80, 82):           # with final states four alone, 2 to 2.5 rounds
+        alone = ssd.make_plan(replace(key, nheads=nheads))
+        assert (alone.walk_segments, alone.segment_split, alone.scan_out.occupancy,
+                alone.scan_out.state_precision) == (4, 1, None, "3xbf16"), nheads
+    for change in (dict(states_returned=False), dict(has_d=True, z_dtype=bf16)):
+        paired = ssd.make_plan(replace(key, nheads=80, **change))
+        assert (paired.walk_segments, paired.scan_out.occupancy) == (2, 2), change
+    assert ssd.make_plan(replace(key, nheads=80, z_dtype=bf16)).walk_segments == 4
+    assert ssd.make_plan(replace(key, nheads=72, seqlen=16384)).walk_segments == 4  # 4 x 64
+    assert ssd.walk_segments(replace(key, nheads=80), 120) == 2    # 2.7 rounds alone
+    assert ssd.WALK_SPLIT_MIN_CHUNKS == 4 * ssd.WALK_SEGMENT_MIN_CHUNKS
     for nheads in (48, 66):                                  # two alone, one round, 96+ blocks
         assert ssd.walk_segments(replace(key, nheads=nheads), 132) == 2
         assert ssd.make_plan(replace(key, nheads=nheads)).scan_out.occupancy is None
