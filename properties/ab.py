@@ -21,9 +21,10 @@ naming a kernel the plan does not run is recorded as not applicable), all on the
 After a first call of each (compiling it) and a warm-up round, ``--rounds`` rounds time
 ``--reps`` calls of each in turn, each call after an L2 flush between CUDA events
 (``properties.bench.CudaTimer``); the order rotates each round, so no arm always follows the
-same one. Recorded per arm: the median, its ratio to the dispatched plan's, whether out and
-final states equal the dispatched plan's bit for bit, the largest difference, and out's error
-against the float64 reference (as the bench's rows).
+same one. Recorded per arm: what it runs beside the dispatched plan (``plan_record``: chunk
+size, segments, changed config fields), the median, its ratio to the dispatched plan's, whether
+out and final states equal the dispatched plan's bit for bit, the largest difference, and out's
+error against the float64 reference (as the bench's rows).
 
 ``--compile sm_90`` (any target tileiras knows) needs no GPU: it compiles each case's kernels as
 the dispatcher plans them for that target on the H200's SM count, and each arm's, as their
@@ -309,6 +310,29 @@ def compare(outs: dict, base: str = DISPATCHED) -> dict:
     return found
 
 
+def plan_record(pipeline, base) -> dict:
+    """What ``pipeline`` runs beside ``base`` (the dispatched one), so a record says what each
+    arm timed, a rule's arm included: its chunk size, the walk's segments and their parts
+    (``ssd.walk_segments``, ``ssd.segment_split``) and, per kernel it launches, the config
+    fields that differ from base's kernel of that name (all fields where base has none)."""
+    base_configs = dict(base.plan.named_configs())
+    changed = {}
+    for stage, config in pipeline.plan.named_configs():
+        fields = _config_text(config)
+        if stage in base_configs:
+            base_fields = _config_text(base_configs[stage])
+            fields = {k: v for k, v in fields.items() if base_fields.get(k) != v}
+        if fields:
+            changed[stage] = fields
+    return dict(chunk_size=pipeline.problem.chunk_size, walk_segments=pipeline.plan.walk_segments,
+                segment_split=pipeline.plan.segment_split, changed=changed)
+
+
+def _config_text(config) -> dict:
+    """A kernel config's fields as text (dtypes and None as JSON cannot hold them)."""
+    return {k: str(v) for k, v in dataclasses.asdict(config).items()}
+
+
 def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = "cuda") -> dict:
     """The case's record: the plan's changed configs as dispatched and each arm's figures."""
     problem = build_problem(case.spec, device, draw_on_device=True)
@@ -332,9 +356,9 @@ def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = 
     for name, pipeline in pipelines.items():
         record["arms"][name]["launches"] = [kernel for kernel, _ in
                                             pipeline.plan.named_configs()]
-    record["dispatched"] = {stage: {k: str(v) for k, v in dataclasses.asdict(
-        getattr(base.plan, stage)).items()} for arm in arms for stage in arm.changes
-        if getattr(base.plan, stage) is not None}
+        record["arms"][name]["plan"] = plan_record(pipeline, base)
+    record["dispatched"] = {stage: _config_text(getattr(base.plan, stage)) for arm in arms
+                            for stage in arm.changes if getattr(base.plan, stage) is not None}
     rows, heads, groups = bench.error_slice(case.spec)
     exact = bench.reference_out(problem, rows, heads, groups)
     outs, calls = {}, {}
@@ -425,9 +449,12 @@ def format_record(record: dict) -> list[str]:
     lines = [record["case"] + (f": failed: {record['failed']}" if "failed" in record else "")]
     for name, arm in record["arms"].items():
         if "ms" in arm:
+            plan = arm.get("plan")
+            layout = "" if plan is None else (f"  Q{plan['chunk_size']}, {plan['walk_segments']} "
+                                              f"segments, {plan['segment_split']} parts")
             lines.append(f"  {name:14s} {arm['ms']:8.4f} ms {arm['ratio']:6.3f}x  bit-equal "
                          f"{arm['bit_equal']!s:5s} max diff {arm['max_abs_diff']:.3g}  normwise "
-                         f"{arm['error']['normwise_rel']:.3g}")
+                         f"{arm['error']['normwise_rel']:.3g}{layout}")
         elif "kernels" in arm:
             # An arm's line names the kernels whose compile differs from the dispatched plan's.
             as_dispatched = record["arms"][DISPATCHED]["kernels"] if name != DISPATCHED else {}

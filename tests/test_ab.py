@@ -303,6 +303,11 @@ def test_a_dispatch_constants_arm_is_timed_on_the_plan_made_under_them(monkeypat
     assert found["same"]["not_applicable"] == "its dispatch constants leave the plan as dispatched"
     assert found["x1"]["launches"] == found["dispatched"]["launches"] == [
         "chunk_cumsum", "chunk_scores", "scan_out"]
+    assert found["dispatched"]["plan"] == dict(chunk_size=64, walk_segments=plan.walk_segments,
+                                               segment_split=plan.segment_split, changed={})
+    assert found["x1"]["plan"]["changed"] == {"scan_out": {"out_transposed": "True"}}
+    assert ab.format_record(record)[2].endswith(
+        f"  Q64, {plan.walk_segments} segments, {plan.segment_split} parts")
 
 
 def test_a_dispatch_constants_arm_compiles_the_plan_made_under_them(monkeypatch):
@@ -414,3 +419,35 @@ def test_the_recorded_command_replays_as_it_ran():
     from properties.provenance import collect
     argv = ["mamba2-cutile", "ab", "--case", "8,4096,64,64,128,1 x_dtype=fp16", "--arm", WALK_ARM]
     assert shlex.split(collect(argv)["command"]) == argv
+
+
+def test_each_arms_record_says_what_it_runs_beside_the_dispatched_plan():
+    """``ab.plan_record`` on real plans (CPU): a rule's arm, 80 pairs with final states in two
+    segments paired (``ssd.WALK_FOUR_ALONE_MAX_ROUNDS`` 0) against four alone, records its
+    segments, parts and the walk's two changed fields; chunk 256's arm every field of the
+    kernels the walk does not launch, and of the cumsum only its chunk size."""
+    key = ab.case_key(ab.parse_case("1,16384,80,64,128,1 return_final_states=true", 64).spec)
+    four = ssd.make_plan(key)
+    with ab.dispatch_rules({("WALK_FOUR_ALONE_MAX_ROUNDS", None): 0}):
+        two = ssd.make_plan(key)
+    assert (four.walk_segments, four.segment_split) == (4, 1)
+    dispatched = _StandInPipeline(_Chunked(64), four)
+    assert ab.plan_record(dispatched, dispatched) == dict(chunk_size=64, walk_segments=4,
+                                                          segment_split=1, changed={})
+    assert ab.plan_record(_StandInPipeline(_Chunked(64), two), dispatched) == dict(
+        chunk_size=64, walk_segments=2, segment_split=2,
+        changed={"scan_out": {"occupancy": "2", "b_latency": "0"}})
+    q256 = ssd.make_plan(dataclasses.replace(key, chunk_size=256))
+    found = ab.plan_record(_StandInPipeline(_Chunked(256), q256), dispatched)
+    assert (found["chunk_size"], found["walk_segments"]) == (256, 1)
+    assert found["changed"]["chunk_cumsum"] == {"chunk_size": "256"}
+    assert found["changed"]["compute_out"] == {
+        name: str(value) for name, value in dataclasses.asdict(
+        dict(q256.named_configs())["compute_out"]).items()}
+
+
+@dataclasses.dataclass
+class _Chunked:
+    """A problem as plan_record reads one: its chunk size."""
+
+    chunk_size: int
