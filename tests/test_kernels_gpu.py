@@ -735,10 +735,9 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
     pair), from initial states, at dstate 128 and 256; 80 and 112 pairs (one row or two), whose
     two segments run paired and the first's end state in two parts, but 80 with final states
     in four segments one block an SM (``ssd.walks_four_alone``, the first three's end states
-    whole); each held to the rule against
-    float64; and its out and final states within a few units of the output dtype of the
-    unsplit walk's (the same plan, one segment), whose sums it orders otherwise only at the
-    segments' seams."""
+    whole); each held to the rule against float64; and its out and final states within a few
+    units of the output dtype of the unsplit walk's (the same plan, one segment), whose sums it
+    orders otherwise only at the segments' seams."""
     from dataclasses import replace as changed
 
     from kernels.gpu_check import check_problem
