@@ -390,13 +390,14 @@ WALK_PAIRED_SEGMENTS_FROM = 4
 # Untimed on the H200 from 96 pairs, at 34 to 47 and at 9 to 23.
 WALK_MIN_PAIRED_SPLIT_ROW_HEADS = 66
 # With final states, where one segment doubles to two paired, four alone (``walks_four_alone``):
-# the walk's float32-grade state update ('3xbf16') pays more for pairing than out alone's. On the
-# H100 at bb59be5 (reports/h100/experiments/ab_s4_bb59be5x.json to ab_s4d_bb59be5x.json: an
-# uncommitted knob doubling the segments once more, as ab arms) against two paired: 0.854x at 72
-# pairs over 16,384 tokens, 0.862x at 80 (three runs, the Mamba-2 2.7B prefill's heads), 0.834x at
-# 80 over 32,768 (2.2 to 2.4 rounds alone); lost at 96 over 65,536, 2.9 rounds (1.045x). Four
-# paired instead took 0.915-0.933x, two alone 1.323x. Out's error unchanged (2.05e-3 to 2.11e-3
-# normwise in both).
+# the walk's float32-grade state update ('3xbf16') pays more for pairing than out alone's (on
+# sm_90 paired it spills 16 bytes at 128 registers, out alone's none; alone 168 registers:
+# reports/cpu/experiments/ab_two_sm_90_736457b.json). On the H100 at bb59be5
+# (reports/h100/experiments/ab_s4_bb59be5x.json to ab_s4d_bb59be5x.json: an uncommitted knob
+# doubling the segments once more, as ab arms) against two paired: 0.854x at 72 pairs over 16,384
+# tokens, 0.862x at 80 (three runs, the Mamba-2 2.7B prefill's heads), 0.834x at 80 over 32,768
+# (2.2 to 2.4 rounds alone); lost at 96 over 65,536, 2.9 rounds (1.045x). Four paired instead took
+# 0.915-0.933x, two alone 1.323x. Out's error unchanged (2.05e-3 to 2.11e-3 normwise in both).
 # Not dispatched: out alone there four paired took 0.934-0.958x at 72 and 80 pairs and 2 x 40
 # heads (lost at 88 and 96: 1.029x, 1.156x), four alone 1.003-1.026x; pairing past one round lost
 # on the H200 at 384 blocks (``scan_out_occupancy``). Two alone to four paired out alone at 56 and
