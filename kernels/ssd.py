@@ -374,9 +374,9 @@ WALK_PAIRED_SEGMENTS_FROM = 4
 #   walk does not take the call). On the H100 at 900e124 against chunk 256: 0.807x and 0.810x
 #   at 40 pairs over 65,536 tokens, 0.822x at 2 x 20 heads over 32,768, 0.903x at 36 pairs over
 #   16,384, 0.794x with final states at 44 pairs over 32,768, out's error 2.05-2.19e-3
-#   normwise against chunk 256's 2.01-2.14e-3 (ab_s4_900e124.json, ab_s4b_900e124.json). At 48
-#   pairs, where two alone take the call, four paired took 0.914x there (one case; at 64, the
-#   third anchor, 1.032x on the H200, above): not dispatched.
+#   normwise against chunk 256's 2.01-2.14e-3 (ab_s4_900e124.json, ab_s4b_900e124.json). From 48
+#   pairs, where two alone take the call, out alone walks in four paired since 0def9fb's
+#   measures (``walks_four_segments``, below).
 # - four segments to eight at 17 to 23 pairs and eight to sixteen at 9 to 11, which ran chunk
 #   256 (68 to 92 blocks alone, too few for the walk). On the H100 at 96fe790 against chunk
 #   256: 0.834x at 20 pairs over 65,536 tokens, 0.865x with final states at 22 over 32,768,
@@ -387,24 +387,37 @@ WALK_PAIRED_SEGMENTS_FROM = 4
 #   0.867x, 10 over 131,072 0.721x, dstate 64 0.608x, 2 x 5 and 3 x 7 heads, z and D, final
 #   states), out's error 1.95-2.27e-3 against 1.92-2.21e-3 (ab_split_dispatch_cec75d2.json,
 #   ab_split_dispatch2_cec75d2.json).
-# Untimed on the H200 from 96 pairs, at 34 to 47 and at 9 to 23.
+# On the H200 at 0def9fb as dispatched (experiments/ab_split_dispatch_0def9fb.json), D per head:
+# two paired 0.756x the unsplit walk at 96 pairs over 65,536 tokens, 0.777x at 112 over 32,768,
+# 0.869x with final states at 96 over 16,384; against chunk 256 four segments 0.830x at 40 pairs
+# over 65,536, 0.818x with final states at 44 over 32,768, eight 0.854x at 20 and 0.884x with
+# final states at 22 over 32,768, sixteen 0.761x at 10 over 65,536; out's error 2.01e-3 to
+# 2.27e-3 normwise, chunk 256's 2.01e-3 to 2.21e-3.
 WALK_MIN_PAIRED_SPLIT_ROW_HEADS = 66
-# With final states, where one segment doubles to two paired, four alone (``walks_four_alone``):
-# the walk's float32-grade state update ('3xbf16') pays more for pairing than out alone's (on
-# sm_90 paired it spills 16 bytes at 128 registers, out alone's none; alone 168 registers:
-# reports/cpu/experiments/ab_two_sm_90_736457b.json). On the H100 at bb59be5
-# (reports/h100/experiments/ab_s4_bb59be5x.json to ab_s4d_bb59be5x.json: an uncommitted knob
-# doubling the segments once more, as ab arms) against two paired: 0.854x at 72 pairs over 16,384
-# tokens, 0.862x at 80 (three runs, the Mamba-2 2.7B prefill's heads), 0.834x at 80 over 32,768
-# (2.2 to 2.4 rounds alone); lost at 96 over 65,536, 2.9 rounds (1.045x). Four paired instead took
-# 0.915-0.933x, two alone 1.323x. Out's error unchanged (2.05e-3 to 2.11e-3 normwise in both).
-# Not dispatched: out alone there four paired took 0.934-0.958x at 72 and 80 pairs and 2 x 40
-# heads (lost at 88 and 96: 1.029x, 1.156x), four alone 1.003-1.026x; pairing past one round lost
-# on the H200 at 384 blocks (``scan_out_occupancy``). Two alone to four paired out alone at 56 and
-# 64 pairs: 0.914-0.938x (the third anchor 0.933x and 0.938x), against 1.032x at the third anchor
-# on the H200 at 6a2f034 (0.995x at adb1575); with final states at 48 and 64 pairs 1.165-1.176x.
-# Untimed on the H200.
-WALK_FOUR_ALONE_MAX_ROUNDS = 2.5
+# Two segments to four (``walks_four_segments``) up to WALK_FOUR_MAX_ROUNDS rounds alone:
+# - With final states from two paired, four alone: the walk's float32-grade state update
+#   ('3xbf16') pays more for pairing than out alone's (on sm_90 paired it spills 16 bytes at 128
+#   registers, out alone's none; alone 168 registers:
+#   reports/cpu/experiments/ab_two_sm_90_736457b.json). On the H100 at bb59be5
+#   (reports/h100/experiments/ab_s4_bb59be5x.json to ab_s4d_bb59be5x.json: an uncommitted knob
+#   doubling the segments once more, as ab arms) against two paired: 0.854x at 72 pairs over
+#   16,384 tokens, 0.862x at 80 (three runs, the Mamba-2 2.7B prefill's heads), 0.834x at 80 over
+#   32,768 (2.2 to 2.4 rounds alone); lost at 96 over 65,536, 2.9 rounds (1.045x). Four paired
+#   instead took 0.915-0.933x, two alone 1.323x. Out's error unchanged (2.05e-3 to 2.11e-3
+#   normwise in both). On the H200 at 0def9fb as dispatched against two paired: 0.856x at 80
+#   pairs, 0.825x at 72 over 32,768 (experiments/ab_split_dispatch_0def9fb.json). From two alone
+#   at 48 and 64 pairs four paired lost on the H100 (1.165-1.176x): not dispatched.
+# - Out alone, from two alone (48 to 66 pairs) or two paired, four paired even past one paired
+#   round (``walks_four_paired``). On the H200 at 0def9fb (experiments/ab_s4_out_alone_0def9fb.json,
+#   the knob above), D per head, with dt's bias and softplus: from two alone 0.903-0.911x at 56
+#   and 64 pairs over 16,384 and 32,768 tokens, the third anchor (64 pairs over 65,536) 0.911x
+#   (1.132 -> 1.031 ms); from two paired 0.948x and 0.934x at 80 over 16,384 and 32,768, 0.951x
+#   at 2 x 40 heads, lost at 88 (1.013x; 1.33 paired rounds); four alone there 1.004-1.031x.
+#   Out's error equal to three digits. The H100 at bb59be5 agreed (0.914-0.958x at 56 to 80,
+#   lost at 88 and 96), though the H200 had measured four paired at the third anchor 1.032x
+#   at 6a2f034, before the walk's later changes.
+# Neither timed with both z and D, which the walk takes paired only.
+WALK_FOUR_MAX_ROUNDS = 2.5
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
 REFERENCE_SM_COUNT = 132
@@ -816,12 +829,19 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     times segments reach WALK_MIN_PAIRED_SPLIT_ROW_HEADS and bf16's walk pairs at the call's
     dstate (WALK_PAIRING): from WALK_PAIRED_SEGMENTS_FROM such segments always, below only where
     the walk would not take the call (or there is no split); four alone instead of two paired
-    where ``walks_four_alone``. At headdim 64 over 65,536 tokens on 132 SMs: two segments paired
-    from 67 to 127 pairs (with final states four alone from 67 to 82), four from 34 to 47,
+    where ``walks_four_segments``. At headdim 64 over 65,536 tokens on 132 SMs: two segments
+    paired from 83 to 127 pairs, four from 34 to 82 (with final states two alone from 48 to 66),
     eight from 17 to 33, sixteen from 9 to 16."""
+    segments, doubled = _walk_segments_by_rounds(key, sms)
+    return 4 if segments == 2 and walks_four_segments(key, sms, doubled) else segments
+
+
+def _walk_segments_by_rounds(key: ProblemKey, sms: int) -> tuple[int, bool]:
+    """``walk_segments`` before ``walks_four_segments``: (segments, whether they were doubled to
+    run paired)."""
     if (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
             or key.nchunks < WALK_SPLIT_MIN_CHUNKS):
-        return 1
+        return 1, False
 
     def fits(segments: int, per_sm: int) -> bool:
         return (segments < WALK_MAX_SEGMENTS and walk_blocks(key) * segments * 2 <= per_sm * sms
@@ -836,22 +856,33 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     else:
         doubles = (pairs * segments >= WALK_MIN_PAIRED_SPLIT_ROW_HEADS
                    and (segments == 1 or pairs * segments < WALK_MIN_SPLIT_ROW_HEADS))
-    if doubles and fits(segments, 2) and next_pow2(key.dstate) <= WALK_PAIRING["input"][0]:
-        segments *= 2
-        if segments == 2 and walks_four_alone(key, sms):
-            segments = 4
-    return segments
+    doubled = (doubles and fits(segments, 2)
+               and next_pow2(key.dstate) <= WALK_PAIRING["input"][0])
+    return (2 * segments if doubled else segments), doubled
 
 
-def walks_four_alone(key: ProblemKey, sms: int) -> bool:
-    """Whether a call whose unsplit walk doubles to two segments paired (its blocks more than
-    half of ``sms`` SMs) walks in four, one block an SM, instead: where it returns final states
-    (its state update float32-grade, which pairs worse), the walk runs its blocks alone (not
-    both z and D), and the four segments' blocks take at most WALK_FOUR_ALONE_MAX_ROUNDS rounds
-    (67 to 82 pairs on 132 SMs; past one paired round, so ``walk_occupancy`` runs them alone).
-    The sequence makes four segments: WALK_SPLIT_MIN_CHUNKS is 4 x WALK_SEGMENT_MIN_CHUNKS."""
-    return (key.states_returned and not (key.has_d and key.z_dtype is not None)
-            and walk_blocks(key) * 4 <= WALK_FOUR_ALONE_MAX_ROUNDS * sms)
+def walks_four_segments(key: ProblemKey, sms: int, from_paired: bool) -> bool:
+    """Whether a call that would walk in two segments, alone in one round or (``from_paired``)
+    doubled from one to run paired, walks in four instead: not with both z and D, and where the
+    four segments' blocks take at most WALK_FOUR_MAX_ROUNDS rounds one block an SM (up to 82
+    pairs on 132 SMs). With final states only from two paired, and the four run one block an SM
+    (past one paired round, ``walk_occupancy`` runs them alone); out alone from either, paired
+    (``walks_four_paired``). The sequence makes four segments: WALK_SPLIT_MIN_CHUNKS is 4 x
+    WALK_SEGMENT_MIN_CHUNKS."""
+    if key.has_d and key.z_dtype is not None:
+        return False
+    if walk_blocks(key) * 4 > WALK_FOUR_MAX_ROUNDS * sms:
+        return False
+    return from_paired or (not key.states_returned
+                           and next_pow2(key.dstate) <= WALK_PAIRING["input"][0])
+
+
+def walks_four_paired(key: ProblemKey, sms: int) -> bool:
+    """Whether out alone walks in four segments from two (``walks_four_segments``), which run
+    two blocks an SM even past one paired round."""
+    segments, doubled = _walk_segments_by_rounds(key, sms)
+    return (not key.states_returned and segments == 2
+            and walks_four_segments(key, sms, doubled))
 
 
 def segment_split(key: ProblemKey, segments: int, sms: int) -> int:
@@ -1085,6 +1116,8 @@ def walk_dispatch(key: ProblemKey, mode: str, states_mode: str, sms: int,
     ``walk_segments``), else (None, None, 1)."""
     segments = walk_segments(key, sms)
     occupancy = walk_occupancy(key, mode, sms, capability, segments)
+    if walks_four_paired(key, sms):
+        occupancy = 2
     walk_mode = walk_state_precision(key, mode, states_mode, occupancy, segments, capability)
     return (None, None, 1) if walk_mode is None else (walk_mode, occupancy, segments)
 

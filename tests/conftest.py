@@ -37,6 +37,8 @@ from properties.impls import IMPL_NAMES_HELP, ImplUnavailable, get_impl
 from properties.provenance import REPO_ROOT
 from properties.strategies import DTYPE_MIXES
 
+from gpu_memory import large_gpu_problem_slot
+
 PROFILE_ENV = "MAMBA2_CUTILE_PROFILE"
 IMPL_ENV = "MAMBA2_CUTILE_IMPL"
 GPU_IMPLS = ("cutile", "mamba_ssm")
@@ -91,6 +93,17 @@ def _no_user_tuning_cache(tmp_path_factory):
     patch.setenv(TUNING_CACHE_ENV, str(tmp_path_factory.mktemp("tuning") / "tuned.json"))
     yield
     patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def _large_gpu_problem(request):
+    """Tests marked ``large_gpu_problem`` run only as many at once as the GPU's memory holds
+    (tests/gpu_memory.py)."""
+    if request.node.get_closest_marker("large_gpu_problem") and torch.cuda.is_available():
+        with large_gpu_problem_slot():
+            yield
+    else:
+        yield
 
 
 @pytest.fixture

@@ -423,12 +423,12 @@ def test_the_recorded_command_replays_as_it_ran():
 
 def test_each_arms_record_says_what_it_runs_beside_the_dispatched_plan():
     """``ab.plan_record`` on real plans (CPU): a rule's arm, 80 pairs with final states in two
-    segments paired (``ssd.WALK_FOUR_ALONE_MAX_ROUNDS`` 0) against four alone, records its
+    segments paired (``ssd.WALK_FOUR_MAX_ROUNDS`` 0) against four alone, records its
     segments, parts and the walk's two changed fields; chunk 256's arm every field of the
     kernels the walk does not launch, and of the cumsum only its chunk size."""
     key = ab.case_key(ab.parse_case("1,16384,80,64,128,1 return_final_states=true", 64).spec)
     four = ssd.make_plan(key)
-    with ab.dispatch_rules({("WALK_FOUR_ALONE_MAX_ROUNDS", None): 0}):
+    with ab.dispatch_rules({("WALK_FOUR_MAX_ROUNDS", None): 0}):
         two = ssd.make_plan(key)
     assert (four.walk_segments, four.segment_split) == (4, 1)
     dispatched = _StandInPipeline(_Chunked(64), four)

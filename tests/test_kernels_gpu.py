@@ -3,7 +3,8 @@ cases and the rule), against mamba_ssm where it imports, on a >2^31-element tens
 inputs and NaN inputs; plus the host-side errors (no GPU needed).
 
 Quick grid by default; the full grid with MAMBA2_CUTILE_FULL_GRID=1. On the GPU machine, run with
-``-n 8`` (pytest-xdist): cuTile compiles each kernel variant once per process, on the CPU.
+``-n 6`` (pytest-xdist): cuTile compiles each kernel variant once per process, on the CPU; the
+tests marked ``large_gpu_problem`` share the GPU's memory in slots (tests/gpu_memory.py).
 """
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
 CASES = grid(full=os.environ.get(FULL_GRID_ENV) == "1")
 # How many times the hinted walks run against the unhinted one (a longer determinism run: 200).
 HINT_RUNS_ENV = "MAMBA2_CUTILE_HINT_RUNS"
+# 16,400 tokens and more checked against float64: ~20-26 GiB a test (tests/gpu_memory.py).
+large = pytest.mark.large_gpu_problem
+
+
+def large_case(*values):
+    return pytest.param(*values, marks=large)
 
 
 @pytest.mark.gpu
@@ -71,6 +78,7 @@ def test_rule_excuses_inf_only_within_the_allowed_error_of_overflow():
 
 @pytest.mark.gpu
 @requires_gpu
+@large
 def test_int64_offsets_past_2_pow_31():
     free, _ = torch.cuda.mem_get_info()
     need = 1.5 * int64_problem_bytes()
@@ -721,6 +729,7 @@ def _assert_walks_agree(out, final, other_out, other_final):
 
 @pytest.mark.gpu
 @requires_gpu
+@large
 @pytest.mark.parametrize("D, z, final_states, dstate, batch, pairs", [
     (None, False, False, 128, 1, 48), ("channel", False, True, 128, 1, 48),
     (None, True, True, 128, 1, 48), ("head", False, False, 128, 1, 48),
@@ -729,15 +738,17 @@ def _assert_walks_agree(out, final, other_out, other_final):
     ("head", False, True, 128, 1, 112)])
 def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unsplit_walk(
         D, z, final_states, dstate, batch, pairs):
-    """48 (row, head) pairs over 257 chunks, bf16, one row of 48 heads or two of 24: the walk
-    in two segments of 129 and 128 chunks, the last partial (``ssd.walk_segments``), the first's
-    end state in four parts (``ssd.segment_split``; two at dstate 256, where the walk does not
-    pair), from initial states, at dstate 128 and 256; 80 and 112 pairs (one row or two), whose
-    two segments run paired and the first's end state in two parts, but 80 with final states
-    in four segments one block an SM (``ssd.walks_four_alone``, the first three's end states
-    whole); each held to the rule against float64; and its out and final states within a few
-    units of the output dtype of the unsplit walk's (the same plan, one segment), whose sums it
-    orders otherwise only at the segments' seams."""
+    """48 (row, head) pairs over 257 chunks, bf16, one row of 48 heads or two of 24: with final
+    states the walk in two segments of 129 and 128 chunks, the last partial
+    (``ssd.walk_segments``), the first's end state in four parts (``ssd.segment_split``; two at
+    dstate 256, where the walk does not pair), out alone in four segments paired
+    (``ssd.walks_four_segments``, the first three's end states whole), from initial states, at
+    dstate 128 and 256; 80 and 112 pairs (one row or two): 112 with final states in two
+    segments paired, the first's end state in two parts, 80 in four segments, paired out alone
+    (past one paired round) and with final states one block an SM; each held to the rule
+    against float64; and its out and final states within a few units of the output dtype of the
+    unsplit walk's (the same plan, one segment), whose sums it orders otherwise only at the
+    segments' seams."""
     from dataclasses import replace as changed
 
     from kernels.gpu_check import check_problem
@@ -748,10 +759,12 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=final_states)
     four_alone = final_states and pairs == 80
-    assert pipeline.plan.walk_segments == (4 if four_alone else 2)
+    four_paired = not final_states      # 48 and 80 pairs at dstate 128, no z
+    assert pipeline.plan.walk_segments == (4 if four_alone or four_paired else 2)
     assert pipeline.plan.segment_split == (
-        1 if four_alone else 2 if dstate == 256 or pairs > 66 else 4)
-    assert pipeline.plan.scan_out.occupancy == (2 if pairs > 66 and not four_alone else None)
+        1 if four_alone or four_paired else 2 if dstate == 256 or pairs > 66 else 4)
+    assert pipeline.plan.scan_out.occupancy == (
+        2 if four_paired or pairs > 66 and not four_alone else None)
     assert pipeline.plan.segment_states is not None
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
@@ -769,15 +782,15 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("knob, dtype, batch, seqlen, nheads, dstate, D, z, final_states", [
-    ("update_early", "bf16", 1, 16400, 48, 128, "channel", False, False),
-    ("update_early", "bf16", 1, 65600, 16, 128, "channel", True, False),
+    large_case("update_early", "bf16", 1, 16400, 48, 128, "channel", False, False),
+    large_case("update_early", "bf16", 1, 65600, 16, 128, "channel", True, False),
     ("update_early", "bf16", 4, 2048, 64, 128, None, False, True),
     ("update_early", "bf16", 2, 2048, 64, 128, "head", False, True),
     ("x_latency", "bf16", 2, 2048, 64, 128, None, False, False),
     ("x_latency", "bf16", 4, 2048, 64, 128, None, False, True),
-    ("b_latency", "bf16", 1, 16400, 48, 128, "channel", False, False),
-    ("b_latency", "bf16", 1, 16400, 64, 128, None, False, True),
-    ("b_latency", "bf16", 1, 16400, 48, 256, "channel", False, False),
+    large_case("b_latency", "bf16", 1, 16400, 48, 128, "channel", False, True),
+    large_case("b_latency", "bf16", 1, 16400, 64, 128, None, False, True),
+    large_case("b_latency", "bf16", 1, 16400, 48, 256, "channel", False, False),
     ("b_latency", "fp16", 2, 2048, 64, 128, "head", False, True),
     ("out_transposed", "bf16", 4, 2048, 64, 128, None, False, False),
     ("out_transposed", "bf16", 8, 1100, 64, 128, None, False, False),
@@ -790,11 +803,11 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
 def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
         knob, dtype, batch, seqlen, nheads, dstate, D, z, final_states):
     """Walks from initial states with the knobs that move no arithmetic as dispatched and off:
-    the early state update (``ssd.walk_updates_early``; split in two segments one block an SM
-    with D per channel, in sixteen paired with z and D per channel, returning final states two
-    blocks an SM and one) and x's latency hint (``ssd.walk_x_latency``; out alone one block an
-    SM, final states paired) and B's (``ssd.walk_b_latency``; split in two segments one block
-    an SM, out alone with D per channel at dstate 128 and 256 and with final states; fp16
+    the early state update (``ssd.walk_updates_early``; split in four segments paired with D per
+    channel, in sixteen paired with z and D per channel, returning final states two blocks an SM
+    and one) and x's latency hint (``ssd.walk_x_latency``; out alone one block an SM, final
+    states paired) and B's (``ssd.walk_b_latency``; split in two segments one block an SM, with
+    final states, D per channel and none, and out alone at dstate 256 with D per channel; fp16
     returning final states one block an SM) and out computed transposed
     (``ssd.walk_out_transposed``; out alone paired, 2,048 tokens and 1,100, a chunk's part last,
     without D, with D per head and per channel) and the walk's own scores where 8 blocks read
@@ -839,7 +852,8 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
     pytest.param("large_B", marks=pytest.mark.xfail(strict=True, reason=(
         "a subnormal operand cut into bf16 terms against raw bf16 keeps a few bits "
         "(kernels/tile_ops.py, 'Subnormal operands')")))])
-@pytest.mark.parametrize("batch, seqlen, nheads, segments", [(2, 2048, 64, 1), (1, 16448, 48, 2)])
+@pytest.mark.parametrize("batch, seqlen, nheads, segments",
+                         [(2, 2048, 64, 1), large_case(1, 16448, 48, 2)])
 def test_the_walk_on_decays_below_the_smallest_normal(case, batch, seqlen, nheads, segments):
     """The subnormal-decay problem (``properties.problems.subnormal_decay_problem``: a decay of
     2^-132 across the last chunk applied to a term of 1e6) where the walk takes it with final
@@ -862,7 +876,7 @@ def test_the_walk_on_decays_below_the_smallest_normal(case, batch, seqlen, nhead
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("batch, seqlen, nheads", [(2, 2048, 64), (1, 16448, 48)])
+@pytest.mark.parametrize("batch, seqlen, nheads", [(2, 2048, 64), large_case(1, 16448, 48)])
 def test_the_walk_near_the_top_of_float32s_range(batch, seqlen, nheads):
     """bf16 x and B of ~3e17 where the walk takes the call with final states: final
     states of ~1e35 and out of ~1e36 (a sum over dstate 128), finite in float32 and bf16
@@ -880,6 +894,7 @@ def test_the_walk_near_the_top_of_float32s_range(batch, seqlen, nheads):
 
 @pytest.mark.gpu
 @requires_gpu
+@large
 @pytest.mark.parametrize("nheads, seqlen, segments, parts", [
     (16, 65600, 16, 1), (40, 16400, 4, 2), (20, 32832, 8, 1)])
 def test_the_walk_in_twice_the_segments_paired_passes_the_rule_and_agrees_with_half_as_many(
@@ -923,6 +938,7 @@ def test_the_walk_in_twice_the_segments_paired_passes_the_rule_and_agrees_with_h
 
 @pytest.mark.gpu
 @requires_gpu
+@large
 @pytest.mark.parametrize("parts", [1, 2])
 def test_the_states_only_walk_in_parts_gives_the_split_walk_its_entering_states(parts):
     """The split walk's states-only walk in 1 and 2 parts a segment against the 4 the dispatch

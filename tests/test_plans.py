@@ -104,15 +104,15 @@ def _layer(batch: int, seqlen: int, nheads: int, **changes) -> ssd.ProblemKey:
 
 
 # Each rule's side, run in every profile besides the draws: the walk paired (the first anchor's
-# size), split into segments (the third's), the fused state scan (80 pairs over 64 chunks:
-# Mamba-2 2.7B at batch 1), two segments paired (its prefill out alone) or four alone (with
-# final states), four paired (40 pairs) and eight (20 pairs), no fused kernel at chunk 64 (20
-# pairs over 256 chunks with final states: four segments alone, no room to double),
-# chunk_cumsum's flat grid.
-EXAMPLES = (_layer(8, 4096, 64), _layer(1, 65536, 64), _layer(1, 4096, 80), _layer(1, 65536, 80),
-            _layer(1, 65536, 80, states_returned=True), _layer(1, 65536, 40),
-            _layer(1, 65536, 20), _layer(1, 16384, 20, states_returned=True),
-            _layer(70000, 64, 8))
+# size), split into segments (the third's: four paired out alone, two alone with final states),
+# the fused state scan (80 pairs over 64 chunks: Mamba-2 2.7B at batch 1), four segments paired
+# past one round (its prefill out alone) or alone (with final states), two paired (96 pairs),
+# four paired (40 pairs) and eight (20 pairs), no fused kernel at chunk 64 (20 pairs over 256
+# chunks with final states: four segments alone, no room to double), chunk_cumsum's flat grid.
+EXAMPLES = (_layer(8, 4096, 64), _layer(1, 65536, 64), _layer(1, 65536, 64, states_returned=True),
+            _layer(1, 4096, 80), _layer(1, 65536, 80), _layer(1, 65536, 80, states_returned=True),
+            _layer(1, 65536, 96), _layer(1, 65536, 40), _layer(1, 65536, 20),
+            _layer(1, 16384, 20, states_returned=True), _layer(70000, 64, 8))
 
 
 def on_examples(**others):
