@@ -406,17 +406,25 @@ WALK_MIN_PAIRED_SPLIT_ROW_HEADS = 66
 #   instead took 0.915-0.933x, two alone 1.323x. Out's error unchanged (2.05e-3 to 2.11e-3
 #   normwise in both). On the H200 at 0def9fb as dispatched against two paired: 0.856x at 80
 #   pairs, 0.825x at 72 over 32,768 (experiments/ab_split_dispatch_0def9fb.json). From two alone
-#   at 48 and 64 pairs four paired lost on the H100 (1.165-1.176x): not dispatched.
-# - Out alone, from two alone (48 to 66 pairs) or two paired, four paired even past one paired
-#   round (``walks_four_paired``). On the H200 at 0def9fb (experiments/ab_s4_out_alone_0def9fb.json,
-#   the knob above), D per head, with dt's bias and softplus: from two alone 0.903-0.911x at 56
-#   and 64 pairs over 16,384 and 32,768 tokens, the third anchor (64 pairs over 65,536) 0.911x
-#   (1.132 -> 1.031 ms); from two paired 0.948x and 0.934x at 80 over 16,384 and 32,768, 0.951x
-#   at 2 x 40 heads, lost at 88 (1.013x; 1.33 paired rounds); four alone there 1.004-1.031x.
-#   Out's error equal to three digits. The H100 at bb59be5 agreed (0.914-0.958x at 56 to 80,
-#   lost at 88 and 96), though the H200 had measured four paired at the third anchor 1.032x
-#   at 6a2f034, before the walk's later changes.
-# Neither timed with both z and D, which the walk takes paired only.
+#   at 48 and 64 pairs four paired lost on the H100 (1.165-1.176x): not dispatched. With z and
+#   no D on the H100 at 4286b41 (reports/h100/experiments/ab_four_z_4286b41.json): 0.689x at 80
+#   pairs over 16,384 tokens, 0.659x at 72 over 32,768.
+# - Out alone with D and without z, from two alone (48 to 66 pairs) or two paired, four paired
+#   even past one paired round (``walks_four_paired``), B loaded with WALK_B_LATENCY. On the H200
+#   at 0def9fb (experiments/ab_s4_out_alone_0def9fb.json; the knob above), D per head, with dt's
+#   bias and softplus, against two: from two alone 0.903-0.911x at 56 and 64 pairs over 16,384
+#   and 32,768 tokens, at the third anchor's size (64 pairs over 65,536) 0.911x (1.132 -> 1.031
+#   ms); from two paired, with B's hint, 0.948x and 0.934x at 80 over 16,384 and 32,768, 0.951x
+#   at 2 x 40 heads, lost at 88 (1.013x; 1.33 paired rounds); four alone 1.004-1.031x. On the
+#   H100 at 4286b41 (reports/h100/experiments/ab_four_paired_4286b41.json and beside it), with
+#   B's hint: 0.899-0.916x from two alone at 48 and 64 pairs over 16,384 and 65,536 tokens,
+#   0.943x at 4 x 16 heads, 0.856x at dstate 64 (no hint there); 0.923-0.953x from two paired at
+#   72, 80 and 82 pairs, 0.972x at 2 x 40; D per channel 0.907-0.940x. Without B's hint past
+#   one paired round it lost (1.036-1.058x at 80 and 82 pairs and 2 x 40 heads). Out's error equal to three
+#   digits. Not taken: without D (1.046-1.066x at 48 and 64 pairs, the third anchor as the bench
+#   runs it 1.066x; 0.981x at 80), where two alone run faster than with D (0.952 against 1.156
+#   ms at the third anchor's size); with z and no D (with B's hint 1.079x at 56 pairs,
+#   0.771x at 80).
 WALK_FOUR_MAX_ROUNDS = 2.5
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
@@ -866,15 +874,16 @@ def walks_four_segments(key: ProblemKey, sms: int, from_paired: bool) -> bool:
     doubled from one to run paired, walks in four instead: not with both z and D, and where the
     four segments' blocks take at most WALK_FOUR_MAX_ROUNDS rounds one block an SM (up to 82
     pairs on 132 SMs). With final states only from two paired, and the four run one block an SM
-    (past one paired round, ``walk_occupancy`` runs them alone); out alone from either, paired
-    (``walks_four_paired``). The sequence makes four segments: WALK_SPLIT_MIN_CHUNKS is 4 x
-    WALK_SEGMENT_MIN_CHUNKS."""
+    (past one paired round, ``walk_occupancy`` runs them alone); out alone from either with D
+    and without z, paired (``walks_four_paired``). The sequence makes four segments:
+    WALK_SPLIT_MIN_CHUNKS is 4 x WALK_SEGMENT_MIN_CHUNKS."""
     if key.has_d and key.z_dtype is not None:
         return False
     if walk_blocks(key) * 4 > WALK_FOUR_MAX_ROUNDS * sms:
         return False
-    return from_paired or (not key.states_returned
-                           and next_pow2(key.dstate) <= WALK_PAIRING["input"][0])
+    if key.states_returned:
+        return from_paired
+    return key.has_d and next_pow2(key.dstate) <= WALK_PAIRING["input"][0]
 
 
 def walks_four_paired(key: ProblemKey, sms: int) -> bool:
@@ -930,7 +939,10 @@ def walk_x_latency(mode: str, n_pad: int, occupancy: Optional[int], update_early
 # (experiments/ab_walk_hints_fdd7e22.txt, ab_b_latency_fdd7e22.txt), split walks one block an SM:
 # 0.858-0.865x the time out alone at dstate 128 (1, 16,384-65,536 tokens, 64 heads; the third
 # anchor's cumsum and walk 1.090 -> 0.936 ms), 0.879x there with final states, 0.902x at dstate
-# 256. Not taken: split walks paired (1.032x, 1.095x), split at dstate 64 (1.101x), unsplit out
+# 256. Out alone in four segments paired (``walks_four_paired``), on the H100 at 4286b41
+# (reports/h100/experiments/ab_four_paired_4286b41.json): 0.890-0.918x past one paired round (80
+# and 82 pairs), 0.975x at 72, 0.976-0.996x within one; D per channel 0.892-0.993x. Not
+# taken: other split walks paired (1.032x, 1.095x), split at dstate 64 (1.101x), unsplit out
 # alone one an SM (0.940x at the second anchor but 1.105x at 2 x 48 heads) and unsplit with final
 # states (1.081x paired, 1.098x alone). Of the other hints swept (C, the scores, dt and the cumsum
 # at 1-10, x at 6 and 10), none won at the first anchor (0.992-1.41x; B at 10 0.992x) and none
@@ -950,13 +962,14 @@ WALK_B_LATENCY_FP16_DSTATE = 128
 
 
 def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: bool,
-                   state_mode: str) -> int:
+                   state_mode: str, four_paired: bool) -> int:
     """B's load latency hint in the walk of out (``ScanOutConfig.b_latency``): WALK_B_LATENCY in
-    'input' (bf16) where the walk is split into segments and runs one block an SM at padded dstate
+    'input' (bf16) where the walk is split into segments and runs one block an SM, or in four
+    segments paired out alone (``four_paired``: ``walks_four_paired``), at padded dstate
     WALK_B_LATENCY_MIN_DSTATE or more; WALK_B_LATENCY_FP16_STATES in '2xfp16' with its state
     update in '3xfp16' (final states) one block an SM at padded dstate
     WALK_B_LATENCY_FP16_DSTATE; else 0 (the compiler's)."""
-    if (mode == "input" and segmented and occupancy is None
+    if (mode == "input" and segmented and (occupancy is None or four_paired)
             and n_pad >= WALK_B_LATENCY_MIN_DSTATE):
         return WALK_B_LATENCY
     if (mode == "2xfp16" and state_mode == "3xfp16" and occupancy is None
@@ -1227,7 +1240,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              update_early=early,
                              x_latency=walk_x_latency(mode, n_pad, occupancy, early),
                              b_latency=walk_b_latency(mode, n_pad, occupancy, split,
-                                                       walk_states_mode),
+                                                       walk_states_mode,
+                                                       walks_four_paired(key, sms)),
                              out_transposed=walk_out_transposed(
                                  mode, occupancy, shared_scores, n_pad, early, key.has_d,
                                  key.z_dtype is not None))

@@ -738,12 +738,11 @@ def _assert_walks_agree(out, final, other_out, other_final):
     ("head", False, True, 128, 1, 112)])
 def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unsplit_walk(
         D, z, final_states, dstate, batch, pairs):
-    """48 (row, head) pairs over 257 chunks, bf16, one row of 48 heads or two of 24: with final
-    states the walk in two segments of 129 and 128 chunks, the last partial
-    (``ssd.walk_segments``), the first's end state in four parts (``ssd.segment_split``; two at
-    dstate 256, where the walk does not pair), out alone in four segments paired
-    (``ssd.walks_four_segments``, the first three's end states whole), from initial states, at
-    dstate 128 and 256; 80 and 112 pairs (one row or two): 112 with final states in two
+    """48 (row, head) pairs over 257 chunks, bf16, one row of 48 heads or two of 24: the walk in
+    two segments of 129 and 128 chunks, the last partial (``ssd.walk_segments``), the first's
+    end state in four parts (``ssd.segment_split``; two at dstate 256, where the walk does not
+    pair), but out alone with D in four segments paired (``ssd.walks_four_segments``, the first
+    three's end states whole), from initial states, at dstate 128 and 256; 80 and 112 pairs (one row or two): 112 with final states in two
     segments paired, the first's end state in two parts, 80 in four segments, paired out alone
     (past one paired round) and with final states one block an SM; each held to the rule
     against float64; and its out and final states within a few units of the output dtype of the
@@ -759,7 +758,7 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=final_states)
     four_alone = final_states and pairs == 80
-    four_paired = not final_states      # 48 and 80 pairs at dstate 128, no z
+    four_paired = not final_states and D is not None    # 48 and 80 pairs at dstate 128, no z
     assert pipeline.plan.walk_segments == (4 if four_alone or four_paired else 2)
     assert pipeline.plan.segment_split == (
         1 if four_alone or four_paired else 2 if dstate == 256 or pairs > 66 else 4)
@@ -788,7 +787,7 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
     ("update_early", "bf16", 2, 2048, 64, 128, "head", False, True),
     ("x_latency", "bf16", 2, 2048, 64, 128, None, False, False),
     ("x_latency", "bf16", 4, 2048, 64, 128, None, False, True),
-    large_case("b_latency", "bf16", 1, 16400, 48, 128, "channel", False, True),
+    large_case("b_latency", "bf16", 1, 16400, 48, 128, "channel", False, False),
     large_case("b_latency", "bf16", 1, 16400, 64, 128, None, False, True),
     large_case("b_latency", "bf16", 1, 16400, 48, 256, "channel", False, False),
     ("b_latency", "fp16", 2, 2048, 64, 128, "head", False, True),
@@ -806,9 +805,9 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
     the early state update (``ssd.walk_updates_early``; split in four segments paired with D per
     channel, in sixteen paired with z and D per channel, returning final states two blocks an SM
     and one) and x's latency hint (``ssd.walk_x_latency``; out alone one block an SM, final
-    states paired) and B's (``ssd.walk_b_latency``; split in two segments one block an SM, with
-    final states, D per channel and none, and out alone at dstate 256 with D per channel; fp16
-    returning final states one block an SM) and out computed transposed
+    states paired) and B's (``ssd.walk_b_latency``; out alone split in four segments paired and
+    at dstate 256 in two one block an SM, with D per channel, and in two one block an SM with
+    final states; fp16 returning final states one block an SM) and out computed transposed
     (``ssd.walk_out_transposed``; out alone paired, 2,048 tokens and 1,100, a chunk's part last,
     without D, with D per head and per channel) and the walk's own scores where 8 blocks read
     each group's tile (``ssd.walk_shares_scores``, 64 heads in 8 groups; paired without D and

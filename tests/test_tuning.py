@@ -170,9 +170,9 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     """The third anchor's 64 pairs (1024 chunks at chunk 64) with final states: two segments,
     128 blocks, one round on 132 SMs, one block an SM; first the states-only walk of the first
     segment in four parts (256 blocks, one round two to an SM; no out, no scores, from zero),
-    then the walk of both from float32 entering states. Out alone, from 48 to 82 pairs, four
-    segments paired (``ssd.walks_four_segments``; past one paired round from 67), their first
-    three whole. 32 pairs split in eight (four fill one round alone; from four, twice as many
+    then the walk of both from float32 entering states; so out alone without D. Out alone with
+    D and without z, from 48 to 82 pairs, four segments paired (``ssd.walks_four_segments``;
+    past one paired round from 67), their first three whole. 32 pairs split in eight (four fill one round alone; from four, twice as many
     run paired), their first seven segments whole; at dstate 256, where the walk does not pair,
     four segments, and the parts fill one block an SM. 67 to 127 pairs, whose two segments do
     not fit one round alone, two segments paired, but four from 67 to 82 (2 to 2.5 rounds
@@ -204,7 +204,7 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
     assert ssd.default_chunk_size(_meta_problem(replace(out_alone, chunk_size=256))) == 64
     split_out_alone = ssd.make_plan(out_alone)                          # not the fused scan
     assert (split_out_alone.walk_segments, split_out_alone.segment_split,
-            split_out_alone.scan_out.occupancy) == (4, 1, 2)             # four paired
+            split_out_alone.scan_out.occupancy) == (2, 4, None)
     assert [name for name, _ in split_out_alone.named_configs()] == [
         "chunk_cumsum", "segment_states", "entering_states", "chunk_scores", "scan_out"]
     quarter = ssd.make_plan(replace(out_alone, nheads=32))
@@ -232,15 +232,19 @@ def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
         alone = ssd.make_plan(replace(key, nheads=nheads))
         assert (alone.walk_segments, alone.segment_split, alone.scan_out.occupancy,
                 alone.scan_out.state_precision) == (4, 1, None, "3xbf16"), nheads
-    for nheads in (48, 66, 67, 80, 82):   # out alone four paired, 1 to 1.25 paired rounds
-        paired = ssd.make_plan(replace(out_alone, nheads=nheads))
+    with_d = replace(out_alone, has_d=True)
+    for nheads in (48, 66, 67, 80, 82):   # out alone with D four paired, up to 1.25 rounds
+        paired = ssd.make_plan(replace(with_d, nheads=nheads))
         assert (paired.walk_segments, paired.segment_split, paired.scan_out.occupancy,
                 paired.scan_out.state_precision) == (4, 1, 2, "input"), nheads
     for change in (dict(states_returned=False, nheads=83), dict(nheads=80, has_d=True,
-                                                                 z_dtype=bf16)):
+                                                                 z_dtype=bf16),
+                   dict(states_returned=False, nheads=80),
+                   dict(states_returned=False, nheads=80, z_dtype=bf16)):
         paired = ssd.make_plan(replace(key, **change))
         assert (paired.walk_segments, paired.scan_out.occupancy) == (2, 2), change
-    assert ssd.make_plan(replace(out_alone, nheads=64, dstate=256)).walk_segments == 2  # no pairs
+    for change in (dict(), dict(z_dtype=bf16), dict(has_d=True, dstate=256)):
+        assert ssd.walk_segments(replace(out_alone, nheads=64, **change), 132) == 2, change
     assert ssd.make_plan(replace(key, nheads=80, z_dtype=bf16)).walk_segments == 4
     assert ssd.make_plan(replace(key, nheads=72, seqlen=16384)).walk_segments == 4  # 4 x 64
     assert ssd.walk_segments(replace(key, nheads=80), 120) == 2    # 2.7 rounds alone
@@ -332,20 +336,23 @@ def test_the_walk_hints_xs_load_latency_where_the_h200_ran_it_faster():
 
 def test_the_split_walk_one_block_an_sm_hints_bs_load_latency_where_the_h200_ran_it_faster():
     """bf16 walks of out split into segments one block an SM at dstate 128 and 256 take B's load
-    latency hint WALK_B_LATENCY (``ssd.walk_b_latency``), out alone or with final states; split
-    paired, split at dstate 64, unsplit, and the states-only walk leave it to the compiler (0)."""
+    latency hint WALK_B_LATENCY (``ssd.walk_b_latency``), out alone or with final states, and so
+    does out alone's walk in four segments paired (``ssd.walks_four_paired``); other split walks
+    paired, split at dstate 64, unsplit, and the states-only walk leave it to the compiler
+    (0)."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     hinted = ssd.WALK_B_LATENCY
     assert hinted > 0
     third = replace(fused, batch=1, seqlen=65536)
-    for key in (replace(third, states_returned=True), replace(third, dstate=256)):
+    for key in (third, replace(third, states_returned=True), replace(third, dstate=256)):
         plan = ssd.make_plan(key)
         assert (plan.scan_out.segmented, plan.scan_out.occupancy) == (True, None)
         assert (plan.scan_out.b_latency, plan.segment_states.b_latency) == (hinted, 0)
-    for key in (third, replace(third, seqlen=131072, nheads=32)):      # four and sixteen paired
-        paired = ssd.make_plan(key).scan_out
-        assert (paired.segmented, paired.occupancy, paired.b_latency) == (True, 2, 0)
-    small = ssd.make_plan(replace(third, dstate=64, states_returned=True)).scan_out
+    four = ssd.make_plan(replace(third, has_d=True)).scan_out           # four paired, with D
+    assert (four.segmented, four.occupancy, four.b_latency) == (True, 2, hinted)
+    paired = ssd.make_plan(replace(third, seqlen=131072, nheads=32)).scan_out
+    assert (paired.segmented, paired.occupancy, paired.b_latency) == (True, 2, 0)
+    small = ssd.make_plan(replace(third, dstate=64)).scan_out
     assert (small.segmented, small.occupancy, small.b_latency) == (True, None, 0)
     alone = ssd.make_plan(replace(fused, batch=4, seqlen=8192, nheads=32, ngroups=8)).scan_out
     assert (alone.segmented, alone.occupancy, alone.b_latency) == (False, None, 0)
