@@ -409,22 +409,21 @@ WALK_MIN_PAIRED_SPLIT_ROW_HEADS = 66
 #   at 48 and 64 pairs four paired lost on the H100 (1.165-1.176x): not dispatched. With z and
 #   no D on the H100 at 4286b41 (reports/h100/experiments/ab_four_z_4286b41.json): 0.689x at 80
 #   pairs over 16,384 tokens, 0.659x at 72 over 32,768.
-# - Out alone with D and without z, from two alone (48 to 66 pairs) or two paired, four paired
-#   even past one paired round (``walks_four_paired``), B loaded with WALK_B_LATENCY. On the H200
-#   at 0def9fb (experiments/ab_s4_out_alone_0def9fb.json; the knob above), D per head, with dt's
-#   bias and softplus, against two: from two alone 0.903-0.911x at 56 and 64 pairs over 16,384
-#   and 32,768 tokens, at the third anchor's size (64 pairs over 65,536) 0.911x (1.132 -> 1.031
-#   ms); from two paired, with B's hint, 0.948x and 0.934x at 80 over 16,384 and 32,768, 0.951x
-#   at 2 x 40 heads, lost at 88 (1.013x; 1.33 paired rounds); four alone 1.004-1.031x. On the
-#   H100 at 4286b41 (reports/h100/experiments/ab_four_paired_4286b41.json and beside it), with
-#   B's hint: 0.899-0.916x from two alone at 48 and 64 pairs over 16,384 and 65,536 tokens,
-#   0.943x at 4 x 16 heads, 0.856x at dstate 64 (no hint there); 0.923-0.953x from two paired at
-#   72, 80 and 82 pairs, 0.972x at 2 x 40; D per channel 0.907-0.940x. Without B's hint past
-#   one paired round it lost (1.036-1.058x at 80 and 82 pairs and 2 x 40 heads). Out's error equal to three
-#   digits. Not taken: without D (1.046-1.066x at 48 and 64 pairs, the third anchor as the bench
-#   runs it 1.066x; 0.981x at 80), where two alone run faster than with D (0.952 against 1.156
-#   ms at the third anchor's size); with z and no D (with B's hint 1.079x at 56 pairs,
-#   0.771x at 80).
+# - Out alone with D and without z, from two alone (48 to 66 pairs) or two paired, four paired even
+#   past one paired round (``walks_four_paired``), B loaded with WALK_B_LATENCY. On the H200 at
+#   0def9fb (experiments/ab_s4_out_alone_0def9fb.json; the knob above), D per head, with dt's bias
+#   and softplus, against two: from two alone 0.903-0.911x at 56 and 64 pairs over 16,384 and 32,768
+#   tokens, at the third anchor's size (64 pairs over 65,536) 0.911x (1.132 -> 1.031 ms); from two
+#   paired, with B's hint, 0.948x and 0.934x at 80 over 16,384 and 32,768, 0.951x at 2 x 40 heads,
+#   lost at 88 (1.013x; 1.33 paired rounds); four alone 1.004-1.031x. On the H100 at 4286b41
+#   (reports/h100/experiments/ab_four_paired_4286b41.json and beside it), with B's hint:
+#   0.899-0.916x from two alone at 48 and 64 pairs over 16,384 and 65,536 tokens, 0.943x at 4 x 16
+#   heads, 0.856x at dstate 64 (no hint there); 0.923-0.953x from two paired at 72, 80 and 82 pairs,
+#   0.972x at 2 x 40; D per channel 0.907-0.940x. Without B's hint past one paired round it lost
+#   (1.036-1.058x at 80 and 82 pairs and 2 x 40 heads). Out's error equal to three digits. Not
+#   taken: without D (1.046-1.066x at 48 and 64 pairs, the third anchor as the bench runs it 1.066x;
+#   0.981x at 80), where two alone run faster than with D (0.952 against 1.156 ms at the third
+#   anchor's size); with z and no D (with B's hint 1.079x at 56 pairs, 0.771x at 80).
 WALK_FOUR_MAX_ROUNDS = 2.5
 # The SMs the dispatch assumes off a GPU (the host code on CPU or meta tensors; CI's compile of
 # the variants calls launch): the H200's, where the rule above was measured.
@@ -838,7 +837,8 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     dstate (WALK_PAIRING): from WALK_PAIRED_SEGMENTS_FROM such segments always, below only where
     the walk would not take the call (or there is no split); four alone instead of two paired
     where ``walks_four_segments``. At headdim 64 over 65,536 tokens on 132 SMs: two segments
-    paired from 83 to 127 pairs, four from 34 to 82 (with final states two alone from 48 to 66),
+    paired from 67 to 127 pairs (four from 67 to 82 with final states, alone, or out alone with
+    D, paired), two alone from 48 to 66 (four paired out alone with D), four from 34 to 47,
     eight from 17 to 33, sixteen from 9 to 16."""
     segments, doubled = _walk_segments_by_rounds(key, sms)
     return 4 if segments == 2 and walks_four_segments(key, sms, doubled) else segments

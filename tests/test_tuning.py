@@ -167,20 +167,21 @@ def test_from_128_row_heads_the_scan_and_compute_out_run_as_one_walk():
 
 
 def test_below_128_row_heads_a_bf16_walk_splits_long_sequences_into_segments():
-    """The third anchor's 64 pairs (1024 chunks at chunk 64) with final states: two segments,
-    128 blocks, one round on 132 SMs, one block an SM; first the states-only walk of the first
-    segment in four parts (256 blocks, one round two to an SM; no out, no scores, from zero),
-    then the walk of both from float32 entering states; so out alone without D. Out alone with
-    D and without z, from 48 to 82 pairs, four segments paired (``ssd.walks_four_segments``;
-    past one paired round from 67), their first three whole. 32 pairs split in eight (four fill one round alone; from four, twice as many
-    run paired), their first seven segments whole; at dstate 256, where the walk does not pair,
-    four segments, and the parts fill one block an SM. 67 to 127 pairs, whose two segments do
-    not fit one round alone, two segments paired, but four from 67 to 82 (2 to 2.5 rounds
-    alone; not with both z and D, which the walk takes paired only), with final states alone;
+    """The third anchor's 64 pairs (1024 chunks at chunk 64) with final states: two segments, 128
+    blocks, one round on 132 SMs, one block an SM; first the states-only walk of the first segment
+    in four parts (256 blocks, one round two to an SM; no out, no scores, from zero), then the walk
+    of both from float32 entering states; so out alone without D. Out alone with D and without z,
+    from 48 to 82 pairs, four segments paired (``ssd.walks_four_segments``; past one paired round
+    from 67), their first three whole. 32 pairs split in eight (four fill one round alone; from
+    four, twice as many run paired), their first seven segments whole; at dstate 256, where the walk
+    does not pair, four segments, and the parts fill one block an SM. 67 to 127 pairs, whose two
+    segments do not fit one round alone, two segments paired, but four from 67 to 82 (2 to 2.5
+    rounds alone; not with both z and D, which the walk takes paired only), with final states alone;
     34 to 47, whose two segments alone the walk does not take (pairs times segments under
-    WALK_MIN_SPLIT_ROW_HEADS), four paired; 17 to 23 eight, 9 to 11 sixteen. No split below WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs
-    times segments stay under WALK_MIN_SPLIT_ROW_HEADS (segments shorter than
-    WALK_SEGMENT_MIN_CHUNKS cap them), nor for fp16 x below SCAN_OUT_MIN_ROW_HEADS."""
+    WALK_MIN_SPLIT_ROW_HEADS), four paired; 17 to 23 eight, 9 to 11 sixteen. No split below
+    WALK_SPLIT_MIN_CHUNKS chunks, no walk where pairs times segments stay under
+    WALK_MIN_SPLIT_ROW_HEADS (segments shorter than WALK_SEGMENT_MIN_CHUNKS cap them), nor for fp16
+    x below SCAN_OUT_MIN_ROW_HEADS."""
     key = replace(anchor_key(), batch=1, seqlen=65536, chunk_size=64)
     assert ssd.default_chunk_size(_meta_problem(replace(key, chunk_size=256),
                                                 return_final_states=True)) == 64
