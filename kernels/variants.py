@@ -155,20 +155,20 @@ COVERING_KEYS = (
     # Fewer pairs in sequences long enough to split (kernels.ssd.walk_segments): the states-only
     # walk of all segments but the last, then the walk from their entering states; with final
     # states (the third anchor's 64 heads, two segments) and out alone from bf16 initial states
-    # (32 heads, four segments; kernels/entering_states.py reads them), and past 2^31 elements;
-    # out alone with D in four segments paired, B loaded with its latency hint
-    # (kernels.ssd.walks_four_paired). The states-only walk runs backward from dstate 128,
-    # forward at 64 (kernels.ssd.walks_states_backward).
+    # (32 heads, four segments; kernels/entering_states.py reads them), out alone with D in four
+    # segments paired, B loaded with its latency hint (kernels.ssd.walks_four_paired; after the
+    # 32 heads, whose names its shared variants keep), and past 2^31 elements. The states-only
+    # walk runs backward from dstate 128, forward at 64 (kernels.ssd.walks_states_backward).
     ("b1-L65536-h64-q64-final-states-walk-segments", replace(_anchor(1, 65536, 64, 1),
                                                              chunk_size=64), None, None),
     ("b1-L65536-h64-q64-n64-out-only-walk-segments",
      replace(_anchor(1, 65536, 64, 1), dstate=64, chunk_size=64, states_returned=False),
      None, None),
-    ("b1-L65536-h64-q64-d-out-only-walk-four-segments",
-     replace(_anchor(1, 65536, 64, 1, has_d=True), chunk_size=64, states_returned=False),
-     None, None),
     ("b1-L65536-h32-q64-out-only-walk-segments-start",
      replace(_anchor(1, 65536, 32, 1, start_dtype=bf16), chunk_size=64, states_returned=False),
+     None, None),
+    ("b1-L65536-h64-q64-d-out-only-walk-four-segments",
+     replace(_anchor(1, 65536, 64, 1, has_d=True), chunk_size=64, states_returned=False),
      None, None),
     ("int64-b1-L524288-h64-q64-out-only-walk-segments",
      replace(_anchor(1, 524288, 64, 1), chunk_size=64, states_returned=False), None, None),
