@@ -835,7 +835,7 @@ def walk_segments(key: ProblemKey, sms: int) -> int:
     chunks or more each; twice as many, in one round two to an SM, where they are as long, pairs
     times segments reach WALK_MIN_PAIRED_SPLIT_ROW_HEADS and bf16's walk pairs at the call's
     dstate (WALK_PAIRING): from WALK_PAIRED_SEGMENTS_FROM such segments always, below only where
-    the walk would not take the call (or there is no split); four alone instead of two paired
+    the walk would not take the call (or there is no split); four instead of two, alone or paired,
     where ``walks_four_segments``. At headdim 64 over 65,536 tokens on 132 SMs: two segments
     paired from 67 to 127 pairs (four from 67 to 82 with final states, alone, or out alone with
     D, paired), two alone from 48 to 66 (four paired out alone with D), four from 34 to 47,
