@@ -70,6 +70,14 @@ the H200, and paired out alone with the shared scores 0.964-0.980x the time, wit
 0.914-0.951x; fp16's paired at dstate 128 fits 128 registers only so
 (``kernels.ssd.walk_out_transposed``, where the figures and the walks that lost are).
 
+D's term (``d_term``): D x_i is added to out elementwise (x's tile read outside an MMA too),
+or, D per head, put on the diagonal of the chunk's weights, whose MMA with x then adds it. On sm_90 the two-segment walk one block an SM with
+D per head takes 226,832 bytes of shared memory elementwise, 218,624 with D on the diagonal, as
+without D (reports/cpu/experiments/ab_dterm_sm_90_*.json), where D cost it 21% of its time on the
+H100. On the diagonal D is rounded with the weight there to the MMA's operand, a bf16 rounding
+of D x_i in 'input'; "diagonal_split" cuts the weights into two 16-bit terms instead (one more
+MMA), D x_i then float32-grade. Not dispatched: an A/B knob until the GPU times it.
+
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third
 anchor: 1.83 ms against the scan and compute_out's 1.36). Split, each sequence is walked in
@@ -115,6 +123,8 @@ ZERO = ct.PaddingMode.ZERO
 # 0.993x, 0.991x and, with 8 groups' scores, 0.943x). 3 (80 registers at dstate 128, 255 at
 # 256) was slower at dstate 256 (experiments/ab_scores_occupancy_3739255.txt).
 SCORES_OCCUPANCY = 2
+# ScanOutConfig.d_term's values ('D's term' above).
+D_TERMS = ("elementwise", "diagonal", "diagonal_split")
 
 
 @ct.function
@@ -135,7 +145,8 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     STATE_MODE: ct.Constant[int], SEGMENTED: ct.Constant[bool],
                     OUT: ct.Constant[bool], UPDATE_EARLY: ct.Constant[bool],
                     X_LATENCY: ct.Constant[int], B_LATENCY: ct.Constant[int],
-                    BACKWARD: ct.Constant[bool], OUT_TRANSPOSED: ct.Constant[bool]):
+                    BACKWARD: ct.Constant[bool], OUT_TRANSPOSED: ct.Constant[bool],
+                    D_ON_DIAGONAL: ct.Constant[bool], WEIGHTS_MODE: ct.Constant[int]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -159,11 +170,14 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
     if HAS_START:
         h = ct.load(start_states, (state_row, head, p_block, 0), shape=(1, 1, P_BLOCK, N_PAD),
                     padding_mode=ZERO).reshape((P_BLOCK, N_PAD)).astype(ct.float32)
-    if HAS_D:
+    if HAS_D and D_ON_DIAGONAL:
+        d_head = ct.load(D, (head, 0), shape=(1, 1), padding_mode=ZERO)
+    elif HAS_D:
         d = ct.load(D, (head, p_block), shape=(1, P_BLOCK), padding_mode=ZERO)
     position = ct.arange(CHUNK, dtype=ct.int32)
     sees = position[None, :] <= position[:, None]
     sees_transposed = position[:, None] <= position[None, :]
+    diagonal = position[:, None] == position[None, :]
     # The state update's x columns: the out's x tile transposed where the walk computes out
     # unsplit up to dstate 128 (8 KB less shared memory a block; on the H200 0.91-0.97x the time
     # of a second, transposed load at six shapes, out bit-equal), else a load of their own: the
@@ -265,13 +279,17 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                                                   lo[:, None])
                     weights = s.transpose() * (ct.where(sees_transposed, exp2_nonpos(exponent),
                                                         0.0) * dt_c[:, None])
-                    y = precise_mma(x_cols, weights, y, MODE, x.dtype).transpose()
+                    if HAS_D and D_ON_DIAGONAL:
+                        weights = weights + ct.where(diagonal, d_head, 0.0)
+                    y = precise_mma(x_cols, weights, y, WEIGHTS_MODE, x.dtype).transpose()
                 else:
                     exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :],
                                                   lo[None, :])
                     weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
-                    y = precise_mma(weights, x_c, y, MODE, x.dtype)
-                if HAS_D:
+                    if HAS_D and D_ON_DIAGONAL:
+                        weights = weights + ct.where(diagonal, d_head, 0.0)
+                    y = precise_mma(weights, x_c, y, WEIGHTS_MODE, x.dtype)
+                if HAS_D and not D_ON_DIAGONAL:
                     y = y + d * x_c.astype(ct.float32)
                 if HAS_Z:
                     y = silu_gated(y, ct.extract(z_all, (k, 0), shape=(CHUNK, P_BLOCK)).astype(
@@ -341,12 +359,29 @@ class ScanOutConfig(KernelVariant):
     # The walk of out computes each chunk's out transposed (``kernels.ssd.walk_out_transposed``):
     # the same products, the state an MMA operand in registers.
     out_transposed: bool = False
+    # How out gets D x ('D's term' above): "elementwise", or D per head added to the weights'
+    # diagonal, their MMA in the walk's mode ("diagonal") or, in 'input', with the weights cut
+    # into two 16-bit terms ("diagonal_split").
+    d_term: str = "elementwise"
+
+    def __post_init__(self):
+        if self.d_term not in D_TERMS:
+            raise ValueError(f"ScanOutConfig.d_term: expected one of {D_TERMS}, got "
+                             f"{self.d_term!r}")
+
+    @property
+    def weights_mode(self) -> int:
+        """The mode of the MMA of out's in-chunk weights with x."""
+        if self.d_term == "diagonal_split" and self.precision == "input":
+            return MODE["2xbf16" if self.x_dtype == torch.bfloat16 else "2xfp16"]
+        return MODE[self.precision]
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,
                 self.has_d, self.has_z, self.shared_scores, self.chunks_per_step,
                 MODE[self.state_precision], self.segmented, self.computes_out, self.update_early,
-                self.x_latency, self.b_latency, self.backward, self.out_transposed)
+                self.x_latency, self.b_latency, self.backward, self.out_transposed,
+                self.d_term != "elementwise", self.weights_mode)
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""
@@ -375,7 +410,7 @@ class ScanOutConfig(KernelVariant):
                 f"occupancy={self.occupancy} worker_warps={self.worker_warps} "
                 f"step={self.chunks_per_step} segmented={self.segmented} "
                 f"out={self.computes_out} backward={self.backward} "
-                f"transposed={self.out_transposed}")
+                f"transposed={self.out_transposed} d_term={self.d_term}")
 
 
 def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutConfig,
@@ -385,6 +420,11 @@ def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutCon
     ``cfg.segmented``, the blocks walk ``segments`` segments of ``segment_steps`` steps from the
     sequence's start: start_states (b * segments, H, P, N) and final_states likewise, a row per
     (batch row, segment). Without ``cfg.computes_out``, out is None."""
+    if (D is not None and cfg.d_term != "elementwise" and D.shape[1] > 1
+            and D.stride(1) != 0):
+        raise ValueError(f"scan_out: d_term {cfg.d_term!r} puts D per head on the weights' "
+                         f"diagonal and needs D (nheads, headdim) of stride 0 along headdim "
+                         f"(D per head), got strides {tuple(D.stride())}")
     stream = launch_stream(x, stream)
     b, L, H, P = x.shape
     N = B.shape[3]

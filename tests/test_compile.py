@@ -410,3 +410,29 @@ def test_the_walk_does_not_order_its_steps_out_stores():
     two_chunks = replace(walks[0].config, chunks_per_step=2)
     assert _loops_carrying_tokens(tile_ir(replace(walks[0], config=two_chunks,
                                                   signature=two_chunks.signature())))
+
+
+@pytest.mark.parametrize("recipe", ["anchor-b8-L4096-h64-q64-out-only-fused-start-d",
+                                    "b1-L65536-h64-q64-d-out-only-walk-four-segments"])
+def test_d_on_the_weights_diagonal_compiles_for_the_walks_with_d_per_head(recipe):
+    """The A/B knob ``ScanOutConfig.d_term`` (kernels/scan_out.py, 'D's term') on the paired walks
+    of out with D per head (the first anchor's from initial states, out transposed, and four
+    segments at the third anchor's size), compiled for sm_90 as their launches specialize them:
+    every MMA on tensor cores, every tile by TMA, two blocks still an SM, and the split's
+    weights in more MMAs than the diagonal's. (What each costs in registers, spills and shared
+    memory: the ab --compile records.)"""
+    from kernels.tile_ops import kernel_signature
+    variant = next(v for v in VARIANTS if v.kernel == "scan_out" and v.recipes[0] == recipe)
+    # The launches' signature, the constants at its end the knob's.
+    arrays = list(variant.signature.parameters)[:-len(variant.config.constants())]
+    mmas = {}
+    for d_term in ("diagonal", "diagonal_split"):
+        config = replace(variant.config, d_term=d_term)
+        knob = replace(variant, config=config,
+                       signature=kernel_signature(arrays + list(config.constants())))
+        result = compile_variant(knob, "sm_90")
+        assert result.ok, result.error
+        assert not violations(knob, result), (d_term, violations(knob, result))
+        assert not occupancy_shortfall(knob, result), d_term
+        mmas[d_term] = result.tensor_core_mmas
+    assert mmas["diagonal_split"] > mmas["diagonal"], mmas

@@ -846,6 +846,48 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("d_term", ["diagonal", "diagonal_split"])
+@pytest.mark.parametrize("dtype, batch, seqlen, nheads, z, final_states", [
+    ("bf16", 4, 2048, 64, False, False), ("bf16", 2, 2048, 64, False, False),
+    ("bf16", 4, 1100, 64, True, True), large_case("bf16", 1, 16400, 48, False, False),
+    ("fp16", 2, 2048, 64, False, True)])
+def test_d_on_the_weights_diagonal_passes_the_rule_and_stays_near_d_elementwise(
+        monkeypatch, d_term, dtype, batch, seqlen, nheads, z, final_states):
+    """D per head on the diagonal of the walk's weights (``ScanOutConfig.d_term``, an A/B knob),
+    the weights' MMA in the walk's mode or cut in two 16-bit terms: out alone paired and out
+    transposed (4 x 2,048 tokens) and one block an SM (2 x 2,048), paired with z and final
+    states over 1,100 (a chunk's part last), split in four segments paired (48 pairs over 16,400
+    tokens), fp16 with final states one block an SM. Out within a few units of its
+    dtype of D added elementwise, the final states equal bit for bit (D does not reach them),
+    and the call with the knob held to the rule against float64."""
+    from dataclasses import replace as changed
+
+    from kernels import ssd
+    spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
+                       chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D="head", z=z,
+                       initial_states=True, return_final_states=final_states)
+    problem = build_problem(spec, "cuda")
+
+    def with_knob(plan):
+        if plan.scan_out is None:
+            return plan
+        return changed(plan, scan_out=changed(plan.scan_out, d_term=d_term))
+
+    pipeline = stage_pipeline(problem, states_returned=final_states)
+    assert pipeline.plan.scan_out.d_term == "elementwise"
+    knob = changed(pipeline, plan=with_knob(pipeline.plan))
+    out, final = pipeline.walk(*pipeline.cumsum())
+    knob_out, knob_final = knob.walk(*knob.cumsum())
+    assert torch.equal(knob_final, final)
+    _assert_walks_agree(out, None, knob_out, None)
+    planned = ssd.make_plan
+    monkeypatch.setattr(ssd, "make_plan", lambda *a, **k: with_knob(planned(*a, **k)))
+    record = check_problem(problem, with_mamba=False)
+    assert not record["violations"], record["violations"]
+
+
+@pytest.mark.gpu
+@requires_gpu
 @pytest.mark.parametrize("case", [
     *(c for c in SUBNORMAL_CASES if c != "large_B"),
     pytest.param("large_B", marks=pytest.mark.xfail(strict=True, reason=(

@@ -209,3 +209,29 @@ def test_the_plans_of_drawn_calls_compile_within_the_target(target):
                       + "; ".join(known))
     if failed:
         pytest.fail("\n\n".join(failed), pytrace=False)
+
+
+@pytest.mark.parametrize("d", ["head", "channel"])
+def test_d_on_the_weights_diagonal_takes_d_per_head_only(d):
+    """``ScanOutConfig.d_term`` (an A/B knob, kernels/scan_out.py 'D's term'): the walk launched
+    with D on its weights' diagonal where D is per head (a stride-0 view along headdim), refused
+    with the argument named where D is per channel, whose values the diagonal would drop; an
+    unknown term refused when the config is made."""
+    from kernels.scan_out import ScanOutConfig
+    from kernels.tile_ops import MODE
+    from properties import ab
+    key = ab.case_key(ab.parse_case(f"8,4096,64,64,128,1 D={d}", 64).spec)
+    plan = ssd.make_plan(key)
+    knob = dataclasses.replace(plan, scan_out=dataclasses.replace(plan.scan_out,
+                                                                  d_term="diagonal"))
+    if d == "channel":
+        with pytest.raises(ValueError, match="d_term 'diagonal'.*stride 0 along headdim"):
+            variants.plan_launches(key, knob)
+    else:
+        walk = [args for _, kernel, args in variants.plan_launches(key, knob)
+                if kernel is knob.scan_out.kernel]
+        assert len(walk) == 1 and walk[0][-2:] == (True, MODE["input"])
+        split = dataclasses.replace(knob.scan_out, d_term="diagonal_split")
+        assert split.constants()[-2:] == (True, MODE["2xbf16"])
+    with pytest.raises(ValueError, match="d_term: expected one of"):
+        ScanOutConfig(d_term="diagonally")
