@@ -71,12 +71,16 @@ the H200, and paired out alone with the shared scores 0.964-0.980x the time, wit
 (``kernels.ssd.walk_out_transposed``, where the figures and the walks that lost are).
 
 D's term (``d_term``): D x_i is added to out elementwise (x's tile read outside an MMA too),
-or, D per head, put on the diagonal of the chunk's weights, whose MMA with x then adds it. On sm_90 the two-segment walk one block an SM with
-D per head takes 226,832 bytes of shared memory elementwise, 218,624 with D on the diagonal, as
-without D (reports/cpu/experiments/ab_dterm_sm_90_*.json), where D cost it 21% of its time on the
-H100. On the diagonal D is rounded with the weight there to the MMA's operand, a bf16 rounding
-of D x_i in 'input'; "diagonal_split" cuts the weights into two 16-bit terms instead (one more
-MMA), D x_i then float32-grade. Not dispatched: an A/B knob until the GPU times it.
+or, D per head, put on the diagonal of the chunk's weights, whose MMA with x then adds it. On
+the diagonal D is rounded with the weight there to the MMA's operand, a bf16 rounding of D x_i
+in 'input'; "diagonal_split" cuts the weights into two 16-bit terms instead (one more MMA), D
+x_i then float32-grade. On sm_90 (reports/cpu/experiments/ab_diag_split_*_sm_90_f2edbb3.json,
+ab_diag_split_sm_90_5386778.json) the two-segment walk one block an SM with D per head takes
+226,832 bytes of shared memory elementwise, 218,624 on the diagonal, as without D (D cost it 21%
+of its time on the H100), 175,568 split; paired walks keep their bytes, but from initial states
+the first anchor's spills 32 bytes on the diagonal and split takes 240 registers, and with z
+and final states 64 and 56 bytes spill where elementwise spills 16. Not dispatched: an A/B
+knob until a GPU times it.
 
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third

@@ -418,9 +418,9 @@ def test_d_on_the_weights_diagonal_compiles_for_the_walks_with_d_per_head(recipe
     """The A/B knob ``ScanOutConfig.d_term`` (kernels/scan_out.py, 'D's term') on the paired walks
     of out with D per head (the first anchor's from initial states, out transposed, and four
     segments at the third anchor's size), compiled for sm_90 as their launches specialize them:
-    every MMA on tensor cores, every tile by TMA, two blocks still an SM, and the split's
-    weights in more MMAs than the diagonal's. (What each costs in registers, spills and shared
-    memory: the ab --compile records.)"""
+    every MMA on tensor cores, every tile by TMA, two blocks' shared memory still within an SM,
+    and the split's weights in more MMAs than the diagonal's. (What each costs in registers,
+    spills and shared memory: the ab --compile records, kernels/scan_out.py 'D's term'.)"""
     from kernels.tile_ops import kernel_signature
     variant = next(v for v in VARIANTS if v.kernel == "scan_out" and v.recipes[0] == recipe)
     # The launches' signature, the constants at its end the knob's.
