@@ -83,10 +83,11 @@ and final states 64 and 56 bytes spill where elementwise spills 16. Timed on the
 (reports/h200/experiments/ab_dterm_c5f7edd.json, six shapes with D per head): the diagonal took
 0.901-0.985x the elementwise walk's time (two segments alone at the third anchor's size 0.879x
 the four paired that D elementwise needs), but in 'input' out's normwise error against float64
-rose from 2.05e-3-2.21e-3 to 2.35e-3-2.43e-3, above mamba_ssm's ~2.1e-3, and the split, more
-accurate (1.74e-3-1.86e-3), took 1.030-1.102x; in fp16's split mode both took 0.985x, errors
-unchanged, at one shape. Not dispatched: the diagonal's speed costs accuracy the issue does not
-let it pay, and fp16's 1.5% at one shape is too little for a rule.
+rose from 2.05e-3-2.21e-3 to 2.35e-3-2.43e-3 (mamba_ssm's 2.06e-3-2.11e-3 at the models'
+layers, D per head, in the H200 bench of the same commit), and the split, more accurate
+(1.74e-3-1.86e-3), took 1.030-1.102x; in fp16's split mode both took 0.985x, errors unchanged,
+at one shape. Not dispatched: the diagonal's speed costs accuracy the issue does not let it
+pay, and fp16's 1.5% at one shape is too little for a rule.
 
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third
