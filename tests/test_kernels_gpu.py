@@ -742,12 +742,12 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
     two segments of 129 and 128 chunks, the last partial (``ssd.walk_segments``), the first's
     end state in four parts (``ssd.segment_split``; two at dstate 256, where the walk does not
     pair), but out alone with D in four segments paired (``ssd.walks_four_segments``, the first
-    three's end states whole), from initial states, at dstate 128 and 256; 80 and 112 pairs (one row or two): 112 with final states in two
-    segments paired, the first's end state in two parts, 80 in four segments, paired out alone
-    (past one paired round) and with final states one block an SM; each held to the rule
-    against float64; and its out and final states within a few units of the output dtype of the
-    unsplit walk's (the same plan, one segment), whose sums it orders otherwise only at the
-    segments' seams."""
+    three's end states whole), from initial states, at dstate 128 and 256; 80 and 112 pairs (one
+    row or two): 112 with final states in two segments paired, the first's end state in two
+    parts, 80 in four segments, paired out alone (past one paired round) and with final states
+    one block an SM; each held to the rule against float64; and its out and final states within
+    a few units of the output dtype of the unsplit walk's (the same plan, one segment), whose
+    sums it orders otherwise only at the segments' seams."""
     from dataclasses import replace as changed
 
     from kernels.gpu_check import check_problem
