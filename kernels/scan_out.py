@@ -73,8 +73,8 @@ the H200, and paired out alone with the shared scores 0.964-0.980x the time, wit
 D's term (``d_term``): D x_i is added to out elementwise (x's tile read outside an MMA too),
 or, D per head, put on the diagonal of the chunk's weights, whose MMA with x then adds it. On
 the diagonal D is rounded with the weight there to the MMA's operand, a bf16 rounding of D x_i
-in 'input'; "diagonal_split" cuts the weights into two 16-bit terms instead (one more MMA), D
-x_i then float32-grade. On sm_90 (reports/cpu/experiments/ab_diag_split_*_sm_90_f2edbb3.json,
+in 'input'; with the weights cut into two 16-bit terms (``weights_precision`` "2xbf16" or
+"2xfp16": 'diagonal_split' in the records below; one more MMA) D x_i is float32-grade. On sm_90 (reports/cpu/experiments/ab_diag_split_*_sm_90_f2edbb3.json,
 ab_diag_split_sm_90_5386778.json) the two-segment walk one block an SM with D per head takes
 226,832 bytes of shared memory elementwise, 218,624 on the diagonal, as without D (D cost it 21%
 of its time on the H100), 175,568 split; paired walks keep their bytes, but from initial states
@@ -88,6 +88,12 @@ layers, D per head, in the H200 bench of the same commit), and the split, more a
 (1.74e-3-1.86e-3), took 1.030-1.102x; in fp16's split mode both took 0.985x, errors unchanged,
 at one shape. Not dispatched: the diagonal's speed costs accuracy the issue does not let it
 pay, and fp16's 1.5% at one shape is too little for a rule.
+
+The weights' MMA (``weights_precision``): the MMA of the chunk's weights with x in another mode
+than the walk's, "" for the walk's own. In 'input' the weights (C_i . B_j decayed, times dt_j)
+are rounded to bf16, about half of out's error at the anchors beyond bf16's rounding of out
+itself (reports/cpu/experiments/accuracy_chunk_model_3f1040f.txt); "2xbf16" cuts them into two
+bf16 terms (one more MMA), "tf32" rounds them and x to TF32 (x exact, the MMA at TF32's rate).
 
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third
@@ -135,7 +141,7 @@ ZERO = ct.PaddingMode.ZERO
 # 256) was slower at dstate 256 (experiments/ab_scores_occupancy_3739255.txt).
 SCORES_OCCUPANCY = 2
 # ScanOutConfig.d_term's values ('D's term' above).
-D_TERMS = ("elementwise", "diagonal", "diagonal_split")
+D_TERMS = ("elementwise", "diagonal")
 
 
 @ct.function
@@ -371,21 +377,24 @@ class ScanOutConfig(KernelVariant):
     # the same products, the state an MMA operand in registers.
     out_transposed: bool = False
     # How out gets D x ('D's term' above): "elementwise", or D per head added to the weights'
-    # diagonal, their MMA in the walk's mode ("diagonal") or, in 'input', with the weights cut
-    # into two 16-bit terms ("diagonal_split").
+    # diagonal ("diagonal").
     d_term: str = "elementwise"
+    # The mode of the MMA of out's in-chunk weights with x ('The weights' MMA' above): "" the
+    # walk's (``precision``), else a PRECISIONS name.
+    weights_precision: str = ""
 
     def __post_init__(self):
         if self.d_term not in D_TERMS:
             raise ValueError(f"ScanOutConfig.d_term: expected one of {D_TERMS}, got "
                              f"{self.d_term!r}")
+        if self.weights_precision and self.weights_precision not in MODE:
+            raise ValueError(f"ScanOutConfig.weights_precision: expected '' or one of "
+                             f"{tuple(MODE)}, got {self.weights_precision!r}")
 
     @property
     def weights_mode(self) -> int:
         """The mode of the MMA of out's in-chunk weights with x."""
-        if self.d_term == "diagonal_split" and self.precision == "input":
-            return MODE["2xbf16" if self.x_dtype == torch.bfloat16 else "2xfp16"]
-        return MODE[self.precision]
+        return MODE[self.weights_precision or self.precision]
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.p_block, self.n_pad, MODE[self.precision], self.has_start,
@@ -421,7 +430,8 @@ class ScanOutConfig(KernelVariant):
                 f"occupancy={self.occupancy} worker_warps={self.worker_warps} "
                 f"step={self.chunks_per_step} segmented={self.segmented} "
                 f"out={self.computes_out} backward={self.backward} "
-                f"transposed={self.out_transposed} d_term={self.d_term}")
+                f"transposed={self.out_transposed} d_term={self.d_term} "
+                f"weights={self.weights_precision or self.precision}")
 
 
 def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutConfig,

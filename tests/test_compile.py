@@ -419,20 +419,21 @@ def test_d_on_the_weights_diagonal_compiles_for_the_walks_with_d_per_head(recipe
     of out with D per head (the first anchor's from initial states, out transposed, and four
     segments at the third anchor's size), compiled for sm_90 as their launches specialize them:
     every MMA on tensor cores, every tile by TMA, two blocks' shared memory still within an SM,
-    and the split's weights in more MMAs than the diagonal's. (What each costs in registers,
+    and the weights cut in two ("2xbf16", ``weights_precision``) in more MMAs than the walk's
+    mode's. (What each costs in registers,
     spills and shared memory: the ab --compile records, kernels/scan_out.py 'D's term'.)"""
     from kernels.tile_ops import kernel_signature
     variant = next(v for v in VARIANTS if v.kernel == "scan_out" and v.recipes[0] == recipe)
     # The launches' signature, the constants at its end the knob's.
     arrays = list(variant.signature.parameters)[:-len(variant.config.constants())]
     mmas = {}
-    for d_term in ("diagonal", "diagonal_split"):
-        config = replace(variant.config, d_term=d_term)
+    for weights in ("", "2xbf16"):
+        config = replace(variant.config, d_term="diagonal", weights_precision=weights)
         knob = replace(variant, config=config,
                        signature=kernel_signature(arrays + list(config.constants())))
         result = compile_variant(knob, "sm_90")
         assert result.ok, result.error
-        assert not violations(knob, result), (d_term, violations(knob, result))
-        assert not occupancy_shortfall(knob, result), d_term
-        mmas[d_term] = result.tensor_core_mmas
-    assert mmas["diagonal_split"] > mmas["diagonal"], mmas
+        assert not violations(knob, result), (weights, violations(knob, result))
+        assert not occupancy_shortfall(knob, result), weights
+        mmas[weights] = result.tensor_core_mmas
+    assert mmas["2xbf16"] > mmas[""], mmas

@@ -846,15 +846,15 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("d_term", ["diagonal", "diagonal_split"])
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype, batch, seqlen, nheads, z, final_states", [
     ("bf16", 4, 2048, 64, False, False), ("bf16", 2, 2048, 64, False, False),
     ("bf16", 4, 1100, 64, True, True), large_case("bf16", 1, 16400, 48, False, False),
     ("fp16", 2, 2048, 64, False, True)])
 def test_d_on_the_weights_diagonal_passes_the_rule_and_stays_near_d_elementwise(
-        monkeypatch, d_term, dtype, batch, seqlen, nheads, z, final_states):
+        monkeypatch, split, dtype, batch, seqlen, nheads, z, final_states):
     """D per head on the diagonal of the walk's weights (``ScanOutConfig.d_term``, an A/B knob),
-    the weights' MMA in the walk's mode or cut in two 16-bit terms: out alone paired and out
+    the weights' MMA in the walk's mode or cut in two 16-bit terms (``weights_precision``): out alone paired and out
     transposed (4 x 2,048 tokens) and one block an SM (2 x 2,048), paired with z and final
     states over 1,100 (a chunk's part last), split in four segments paired (48 pairs over 16,400
     tokens), fp16 with final states one block an SM. Out within a few units of its
@@ -867,11 +867,13 @@ def test_d_on_the_weights_diagonal_passes_the_rule_and_stays_near_d_elementwise(
                        chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D="head", z=z,
                        initial_states=True, return_final_states=final_states)
     problem = build_problem(spec, "cuda")
+    weights = f"2x{dtype}" if split else ""
 
     def with_knob(plan):
         if plan.scan_out is None:
             return plan
-        return changed(plan, scan_out=changed(plan.scan_out, d_term=d_term))
+        return changed(plan, scan_out=changed(plan.scan_out, d_term="diagonal",
+                                              weights_precision=weights))
 
     pipeline = stage_pipeline(problem, states_returned=final_states)
     assert pipeline.plan.scan_out.d_term == "elementwise"

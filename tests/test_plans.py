@@ -216,7 +216,7 @@ def test_d_on_the_weights_diagonal_takes_d_per_head_only(d):
     """``ScanOutConfig.d_term`` (an A/B knob, kernels/scan_out.py 'D's term'): the walk launched
     with D on its weights' diagonal where D is per head (a stride-0 view along headdim), refused
     with the argument named where D is per channel, whose values the diagonal would drop; an
-    unknown term refused when the config is made."""
+    unknown term or weights' mode refused when the config is made."""
     from kernels.scan_out import ScanOutConfig
     from kernels.tile_ops import MODE
     from properties import ab
@@ -231,7 +231,9 @@ def test_d_on_the_weights_diagonal_takes_d_per_head_only(d):
         walk = [args for _, kernel, args in variants.plan_launches(key, knob)
                 if kernel is knob.scan_out.kernel]
         assert len(walk) == 1 and walk[0][-2:] == (True, MODE["input"])
-        split = dataclasses.replace(knob.scan_out, d_term="diagonal_split")
+        split = dataclasses.replace(knob.scan_out, weights_precision="2xbf16")
         assert split.constants()[-2:] == (True, MODE["2xbf16"])
     with pytest.raises(ValueError, match="d_term: expected one of"):
         ScanOutConfig(d_term="diagonally")
+    with pytest.raises(ValueError, match="weights_precision: expected '' or one of.*'2xbf61'"):
+        ScanOutConfig(weights_precision="2xbf61")
