@@ -94,6 +94,10 @@ than the walk's, "" for the walk's own. In 'input' the weights (C_i . B_j decaye
 are rounded to bf16, about half of out's error at the anchors beyond bf16's rounding of out
 itself (reports/cpu/experiments/accuracy_chunk_model_3f1040f.txt); "2xbf16" cuts them into two
 bf16 terms (one more MMA), "tf32" rounds them and x to TF32 (x exact, the MMA at TF32's rate).
+On the H100 (reports/h100/experiments/ab_weights_45dfe11.txt, seven bf16 shapes) both took out's
+normwise error against float64 from 2.44e-3-2.47e-3 to 1.90e-3-1.98e-3 (mamba_ssm's 2.37e-3 at
+the anchors on the H200), but "2xbf16" 1.05-1.26x the time (1.21x / 1.26x / 1.19x at the
+anchors) and "tf32" 1.11-1.56x: not dispatched, 'input' stays at mamba_ssm's accuracy.
 
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third
