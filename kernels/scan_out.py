@@ -70,24 +70,24 @@ the H200, and paired out alone with the shared scores 0.964-0.980x the time, wit
 0.914-0.951x; fp16's paired at dstate 128 fits 128 registers only so
 (``kernels.ssd.walk_out_transposed``, where the figures and the walks that lost are).
 
-D's term (``d_term``): D x_i is added to out elementwise (x's tile read outside an MMA too),
-or, D per head, put on the diagonal of the chunk's weights, whose MMA with x then adds it. On
-the diagonal D is rounded with the weight there to the MMA's operand, a bf16 rounding of D x_i
-in 'input'; with the weights cut into two 16-bit terms (``weights_precision`` "2xbf16" or
-"2xfp16": 'diagonal_split' in the records below; one more MMA) D x_i is float32-grade. On sm_90 (reports/cpu/experiments/ab_diag_split_*_sm_90_f2edbb3.json,
-ab_diag_split_sm_90_5386778.json) the two-segment walk one block an SM with D per head takes
-226,832 bytes of shared memory elementwise, 218,624 on the diagonal, as without D (D cost it 21%
-of its time on the H100), 175,568 split; paired walks keep their bytes, but from initial states
-the first anchor's spills 32 bytes on the diagonal and split takes 240 registers, and with z
-and final states 64 and 56 bytes spill where elementwise spills 16. Timed on the H200
-(reports/h200/experiments/ab_dterm_c5f7edd.json, six shapes with D per head): the diagonal took
-0.901-0.985x the elementwise walk's time (two segments alone at the third anchor's size 0.879x
-the four paired that D elementwise needs), but in 'input' out's normwise error against float64
-rose from 2.05e-3-2.21e-3 to 2.35e-3-2.43e-3 (mamba_ssm's 2.06e-3-2.11e-3 at the models'
-layers, D per head, in the H200 bench of the same commit), and the split, more accurate
-(1.74e-3-1.86e-3), took 1.030-1.102x; in fp16's split mode both took 0.985x, errors unchanged,
-at one shape. Not dispatched: the diagonal's speed costs accuracy the issue does not let it
-pay, and fp16's 1.5% at one shape is too little for a rule.
+D's term (``d_term``): D x_i is added to out elementwise (x's tile read outside an MMA too), or, D
+per head, put on the diagonal of the chunk's weights, whose MMA with x then adds it. On the
+diagonal D is rounded with the weight there to the MMA's operand, a bf16 rounding of D x_i in
+'input'; with the weights cut into two 16-bit terms (``weights_precision`` "2xbf16" or "2xfp16":
+'diagonal_split' in the records below; one more MMA) D x_i is float32-grade. On sm_90
+(reports/cpu/experiments/ab_diag_split_*_sm_90_f2edbb3.json, ab_diag_split_sm_90_5386778.json) the
+two-segment walk one block an SM with D per head takes 226,832 bytes of shared memory elementwise,
+218,624 on the diagonal, as without D (D cost it 21% of its time on the H100), 175,568 split;
+paired walks keep their bytes, but from initial states the first anchor's spills 32 bytes on the
+diagonal and split takes 240 registers, and with z and final states 64 and 56 bytes spill where
+elementwise spills 16. Timed on the H200 (reports/h200/experiments/ab_dterm_c5f7edd.json, six
+shapes with D per head): the diagonal took 0.901-0.985x the elementwise walk's time (two segments
+alone at the third anchor's size 0.879x the four paired that D elementwise needs), but in 'input'
+out's normwise error against float64 rose from 2.05e-3-2.21e-3 to 2.35e-3-2.43e-3 (mamba_ssm's
+2.06e-3-2.11e-3 at the models' layers, D per head, in the H200 bench of the same commit), and the
+split, more accurate (1.74e-3-1.86e-3), took 1.030-1.102x; in fp16's split mode both took 0.985x,
+errors unchanged, at one shape. Not dispatched: the diagonal's speed costs accuracy the issue does
+not let it pay, and fp16's 1.5% at one shape is too little for a rule.
 
 The weights' MMA (``weights_precision``): the MMA of the chunk's weights with x in another mode
 than the walk's, "" for the walk's own. In 'input' the weights (C_i . B_j decayed, times dt_j)
@@ -97,7 +97,9 @@ bf16 terms (one more MMA), "tf32" rounds them and x to TF32 (x exact, the MMA at
 On the H100 (reports/h100/experiments/ab_weights_45dfe11.txt, seven bf16 shapes) both took out's
 normwise error against float64 from 2.44e-3-2.47e-3 to 1.90e-3-1.98e-3 (mamba_ssm's 2.37e-3 at
 the anchors on the H200), but "2xbf16" 1.05-1.26x the time (1.21x / 1.26x / 1.19x at the
-anchors) and "tf32" 1.11-1.56x: not dispatched, 'input' stays at mamba_ssm's accuracy.
+anchors) and "tf32" 1.11-1.56x, whatever the orientation (at the first anchor "2xbf16" 1.220x out
+not transposed, 1.215x transposed: ab_weights_orientation_ad1e78f.txt): not dispatched, 'input'
+stays at mamba_ssm's accuracy.
 
 Segments (``segmented``; ``kernels.ssd.walk_segments``, where the H200 figures are): with fewer
 (row, head) pairs than SMs the walk leaves SMs idle (64 blocks on the H200's 132 at the third

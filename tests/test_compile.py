@@ -420,8 +420,8 @@ def test_d_on_the_weights_diagonal_compiles_for_the_walks_with_d_per_head(recipe
     segments at the third anchor's size), compiled for sm_90 as their launches specialize them:
     every MMA on tensor cores, every tile by TMA, two blocks' shared memory still within an SM,
     and the weights cut in two ("2xbf16", ``weights_precision``) in more MMAs than the walk's
-    mode's. (What each costs in registers,
-    spills and shared memory: the ab --compile records, kernels/scan_out.py 'D's term'.)"""
+    mode's. (What each costs in registers, spills and shared memory: the ab --compile records,
+    kernels/scan_out.py 'D's term'.)"""
     from kernels.tile_ops import kernel_signature
     variant = next(v for v in VARIANTS if v.kernel == "scan_out" and v.recipes[0] == recipe)
     # The launches' signature, the constants at its end the knob's.

@@ -854,11 +854,11 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
 def test_d_on_the_weights_diagonal_passes_the_rule_and_stays_near_d_elementwise(
         monkeypatch, split, dtype, batch, seqlen, nheads, z, final_states):
     """D per head on the diagonal of the walk's weights (``ScanOutConfig.d_term``, an A/B knob),
-    the weights' MMA in the walk's mode or cut in two 16-bit terms (``weights_precision``): out alone paired and out
-    transposed (4 x 2,048 tokens) and one block an SM (2 x 2,048), paired with z and final
-    states over 1,100 (a chunk's part last), split in four segments paired (48 pairs over 16,400
-    tokens), fp16 with final states one block an SM. Out within a few units of its
-    dtype of D added elementwise, the final states equal bit for bit (D does not reach them),
+    the weights' MMA in the walk's mode or cut in two 16-bit terms (``weights_precision``): out
+    alone paired and out transposed (4 x 2,048 tokens) and one block an SM (2 x 2,048), paired
+    with z and final states over 1,100 (a chunk's part last), split in four segments paired (48
+    pairs over 16,400 tokens), fp16 with final states one block an SM. Out within a few units of
+    its dtype of D added elementwise, the final states equal bit for bit (D does not reach them),
     and the call with the knob held to the rule against float64."""
     from dataclasses import replace as changed
 
