@@ -844,6 +844,27 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
     assert not record["violations"], record["violations"]
 
 
+def _walks_with_scan_out_fields(monkeypatch, problem, final_states, **fields):
+    """The dispatched walk's config, then (out, final states) of the dispatched walk and of the
+    walk with ``fields`` changed in its ScanOutConfig; ``ssd.make_plan`` is patched after, so that
+    a call planned from then on (``check_problem``'s) takes the change too."""
+    from dataclasses import replace as changed
+
+    from kernels import ssd
+
+    def with_fields(plan):
+        if plan.scan_out is None:
+            return plan
+        return changed(plan, scan_out=changed(plan.scan_out, **fields))
+
+    pipeline = stage_pipeline(problem, states_returned=final_states)
+    knob = changed(pipeline, plan=with_fields(pipeline.plan))
+    walks = pipeline.walk(*pipeline.cumsum()), knob.walk(*knob.cumsum())
+    planned = ssd.make_plan
+    monkeypatch.setattr(ssd, "make_plan", lambda *a, **k: with_fields(planned(*a, **k)))
+    return pipeline.plan.scan_out, walks
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("split", [False, True])
@@ -860,30 +881,16 @@ def test_d_on_the_weights_diagonal_passes_the_rule_and_stays_near_d_elementwise(
     pairs over 16,400 tokens), fp16 with final states one block an SM. Out within a few units of
     its dtype of D added elementwise, the final states equal bit for bit (D does not reach them),
     and the call with the knob held to the rule against float64."""
-    from dataclasses import replace as changed
-
-    from kernels import ssd
     spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
                        chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D="head", z=z,
                        initial_states=True, return_final_states=final_states)
     problem = build_problem(spec, "cuda")
-    weights = f"2x{dtype}" if split else ""
-
-    def with_knob(plan):
-        if plan.scan_out is None:
-            return plan
-        return changed(plan, scan_out=changed(plan.scan_out, d_term="diagonal",
-                                              weights_precision=weights))
-
-    pipeline = stage_pipeline(problem, states_returned=final_states)
-    assert pipeline.plan.scan_out.d_term == "elementwise"
-    knob = changed(pipeline, plan=with_knob(pipeline.plan))
-    out, final = pipeline.walk(*pipeline.cumsum())
-    knob_out, knob_final = knob.walk(*knob.cumsum())
+    dispatched, ((out, final), (knob_out, knob_final)) = _walks_with_scan_out_fields(
+        monkeypatch, problem, final_states, d_term="diagonal",
+        weights_precision=f"2x{dtype}" if split else "")
+    assert dispatched.d_term == "elementwise"
     assert torch.equal(knob_final, final)
     _assert_walks_agree(out, None, knob_out, None)
-    planned = ssd.make_plan
-    monkeypatch.setattr(ssd, "make_plan", lambda *a, **k: with_knob(planned(*a, **k)))
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
 
@@ -902,29 +909,16 @@ def test_the_walks_weights_unrounded_pass_the_rule_with_less_error(
     The call with the knob within the rule against float64, its final states bit-equal to the
     walk's (the weights do not reach them), and out's normwise error below 0.92x the walk's in
     'input' (0.80x at seven bf16 shapes on the H100 at 45dfe11): the knob reaches the MMA."""
-    from dataclasses import replace as changed
-
-    from kernels import ssd
     from kernels.tile_ops import MODE
     spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
                        chunk_size=64, x_dtype="bf16", bc_dtype="bf16", z=z,
                        return_final_states=final_states)
     problem = build_problem(spec, "cuda")
-
-    def with_knob(plan):
-        if plan.scan_out is None:
-            return plan
-        return changed(plan, scan_out=changed(plan.scan_out, weights_precision=weights))
-
-    pipeline = stage_pipeline(problem, states_returned=final_states)
-    assert pipeline.plan.scan_out.weights_mode == MODE["input"]
-    knob = changed(pipeline, plan=with_knob(pipeline.plan))
-    _, final = pipeline.walk(*pipeline.cumsum())
-    _, knob_final = knob.walk(*knob.cumsum())
-    assert torch.equal(knob_final, final)
     walk = check_problem(problem, with_mamba=False)
-    planned = ssd.make_plan
-    monkeypatch.setattr(ssd, "make_plan", lambda *a, **k: with_knob(planned(*a, **k)))
+    dispatched, ((_, final), (_, knob_final)) = _walks_with_scan_out_fields(
+        monkeypatch, problem, final_states, weights_precision=weights)
+    assert dispatched.weights_mode == MODE["input"]
+    assert torch.equal(knob_final, final)
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
     errors = [r["quantities"]["out"]["normwise_rel"] for r in (walk, record)]
