@@ -8,7 +8,8 @@ given as B,L,H,P,N,G, then ``ProblemSpec`` fields to change. An arm is a name, t
 plan's kernel configs to change, each ``<plan field>.<config field>=<value>`` (``kernels.ssd.Plan``:
 cumsum, out, state_scan, scan_out, segment_states, ...), and/or ``chunk_size=<n>``: the call at
 that chunk size as the dispatcher plans it (the same tensors), with any config changes on top; a
-dispatch rule that moves calls between chunk sizes is timed so. ``ssd.<NAME>=<value>`` (or
+dispatch rule that moves calls between chunk sizes is timed so. ``precision=<mode>`` plans the
+call as ``ssd_forward(precision=<mode>)`` does (an opt-in mode against the default, say). ``ssd.<NAME>=<value>`` (or
 ``ssd.<NAME>.<key>=<value>`` for an item of a dict) plans the arm with one of kernels.ssd's
 dispatch constants changed (``WALK_MIN_SPLIT_ROW_HEADS``, ``WALK_PAIRING.input``, ...; the
 constants read when a call is planned, e.g. which calls the walk takes and in how many
@@ -81,6 +82,7 @@ class Arm:
     name: str
     changes: dict        # plan field -> {config field: value}
     chunk_size: int | None = None   # re-planned at this chunk size; None: the case's
+    precision: str | None = None    # re-planned in this mode (ssd_forward's); None: the default
     # kernels.ssd's dispatch constants the arm is planned with: (NAME, dict key or None) -> value
     rules: dict = dataclasses.field(default_factory=dict)
 
@@ -89,6 +91,7 @@ class Arm:
             return f"{name}={json.dumps(value, default=str, separators=(',', ':'))}"
 
         return " ".join(([] if self.chunk_size is None else [f"chunk_size={self.chunk_size}"])
+                        + ([] if self.precision is None else [f"precision={self.precision}"])
                         + [word(RULE_PREFIX + name + ("" if key is None else "." + key), value)
                            for (name, key), value in self.rules.items()]
                         + [word(f"{stage}.{name}", value)
@@ -97,8 +100,9 @@ class Arm:
 
     def replans(self, chunk_size: int) -> bool:
         """Whether this arm's plan is made anew for a case at ``chunk_size`` (another chunk
-        size or dispatch constants), not changed from the dispatched one."""
-        return self.replanned(chunk_size) != chunk_size or bool(self.rules)
+        size, mode or dispatch constants), not changed from the dispatched one."""
+        return (self.replanned(chunk_size) != chunk_size or self.precision is not None
+                or bool(self.rules))
 
     def replanned(self, chunk_size: int) -> int:
         """The chunk size this arm's plan is made at, for a case at ``chunk_size``."""
@@ -195,9 +199,15 @@ def parse_arm(text: str) -> Arm:
     classes = _config_classes()
     changes: dict = {}
     rules: dict = {}
-    chunk_size = None
+    chunk_size = precision = None
     for item in words[1:]:
         path, value = _split_assignment("--arm", text, item)
+        if path == "precision":
+            if value not in ssd.PRECISIONS:
+                raise ValueError(f"--arm: precision expected one of {ssd.PRECISIONS}, got "
+                                 f"{value!r} in {text!r}")
+            precision = value
+            continue
         if path == "chunk_size":
             if isinstance(value, bool) or value not in ssd.SUPPORTED_CHUNK_SIZES:
                 raise ValueError(f"--arm: chunk_size expected one of "
@@ -217,7 +227,7 @@ def parse_arm(text: str) -> Arm:
             raise ValueError(f"--arm: expected a field of {classes[stage].__name__} after "
                              f"'{stage}.' ({', '.join(hints)}), got {field!r} in {text!r}")
         changes.setdefault(stage, {})[field] = coerce("--arm", stage, field, hints[field], value)
-    return Arm(words[0], changes, chunk_size, rules)
+    return Arm(words[0], changes, chunk_size, precision, rules)
 
 
 def parse_rule(text: str, path: str, value: Any) -> tuple[tuple[str, str | None], Any]:
@@ -342,10 +352,14 @@ def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = 
     for arm in arms:
         replanned = base
         if arm.replans(problem.chunk_size):
-            with dispatch_rules(arm.rules):
-                replanned = ssd.stage_pipeline(
-                    dataclasses.replace(problem, chunk_size=arm.replanned(problem.chunk_size)),
-                    varlen=case.spec.return_varlen_states)
+            try:
+                with dispatch_rules(arm.rules):
+                    replanned = ssd.stage_pipeline(
+                        dataclasses.replace(problem, chunk_size=arm.replanned(problem.chunk_size)),
+                        precision=arm.precision, varlen=case.spec.return_varlen_states)
+            except ssd.SSDInputError as exc:    # a mode the case's dtypes do not take
+                record["arms"][arm.name] = dict(changes=arm.describe(), not_applicable=str(exc))
+                continue
         plan = arm_plan(arm, base.plan, replanned.plan,
                         replanned.problem.chunk_size == problem.chunk_size)
         if isinstance(plan, str):
@@ -434,8 +448,13 @@ def compile_case(case: Case, arms: list[Arm], target: str, done: dict) -> dict:
         arm_key = dataclasses.replace(key, chunk_size=arm.replanned(key.chunk_size))
         replanned = base
         if arm.replans(key.chunk_size):
-            with dispatch_rules(arm.rules):
-                replanned = ssd.make_plan(arm_key, capability=variants.target_capability(target))
+            try:
+                with dispatch_rules(arm.rules):
+                    replanned = ssd.make_plan(arm_key, precision=arm.precision,
+                                              capability=variants.target_capability(target))
+            except ssd.SSDInputError as exc:
+                record["arms"][arm.name] = dict(changes=arm.describe(), not_applicable=str(exc))
+                continue
         plan = arm_plan(arm, base, replanned, arm_key == key)
         if isinstance(plan, str):
             record["arms"][arm.name] = dict(changes=arm.describe(), not_applicable=plan)
@@ -484,7 +503,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a named change of the plan's kernel configs (repeatable), e.g. "
                              "'t2 scan_out.occupancy=2 scan_out.out_transposed=true', or of "
                              "its chunk size or kernels.ssd's dispatch constants, re-planned: "
-                             "'q256 chunk_size=256', 'w80 ssd.WALK_MIN_SPLIT_ROW_HEADS=80'")
+                             "'q256 chunk_size=256', 'w80 ssd.WALK_MIN_SPLIT_ROW_HEADS=80'; "
+                             "'p2 precision=2xbf16' plans it in that mode")
     parser.add_argument("--chunk-size", type=int, default=64,
                         help="the cases' chunk size (default 64, where the walk runs)")
     parser.add_argument("--rounds", type=int, default=5)

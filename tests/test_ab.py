@@ -69,6 +69,13 @@ def test_an_arm_may_replan_the_call_at_another_chunk_size():
     assert ab.parse_arm("q128 chunk_size=128") == ab.Arm("q128", {}, 128)
 
 
+def test_an_arm_may_replan_the_call_in_another_mode():
+    arm = ab.parse_arm("p2 precision=2xbf16 chunk_size=256")
+    assert (arm.precision, arm.chunk_size, arm.changes) == ("2xbf16", 256, {})
+    assert arm.replans(256) and not ab.parse_arm("q chunk_size=256").replans(256)
+    assert ab.parse_arm("p2 " + arm.describe()) == arm      # the record's words replay it
+
+
 @pytest.mark.parametrize("text, named", [
     ("t2", "a name"),
     ("dispatched scan_out.occupancy=2", "not 'dispatched'"),
@@ -84,6 +91,8 @@ def test_an_arm_may_replan_the_call_at_another_chunk_size():
     ("q chunk_size=100", "chunk_size expected one of (64, 128, 256), got 100"),
     ("q chunk_size=true", "chunk_size expected one of (64, 128, 256), got True"),
     ("q chunk_size=big", "chunk_size expected one of (64, 128, 256), got 'big'"),
+    ("p precision=bf16", "precision expected one of ('ieee', "),
+    ("p precision=auto", "precision expected one of ('ieee', "),
     ("w ssd.walk_segments=1", "a dispatch constant of kernels.ssd"),
     ("w ssd.NO_SUCH_RULE=1", "a dispatch constant of kernels.ssd"),
     ("w ssd.WALK_PAIRING=[64,1.5]", "ssd.WALK_PAIRING is a dict: expected ssd.WALK_PAIRING.<key>"),
@@ -244,18 +253,22 @@ def test_one_case_end_to_end_with_stand_ins(monkeypatch):
 def test_a_chunk_size_arm_times_the_call_replanned_on_the_same_tensors(monkeypatch):
     case = ab.parse_case("2,300,8,16,16,2 z=true D=channel", 64)
     plan = _plan()
-    planned = []
+    planned, modes = [], []
 
-    def stage_pipeline(problem, varlen):
+    def stage_pipeline(problem, varlen, precision=None):
         planned.append(problem)
+        modes.append(precision)
         return _StandInPipeline(problem, plan)
 
     monkeypatch.setattr(ssd, "stage_pipeline", stage_pipeline)
     monkeypatch.setattr(ssd, "launch_stages", _stand_in_launch)
     monkeypatch.setattr(bench, "CudaTimer", _CountingTimer)
-    arms = [ab.parse_arm("q256 chunk_size=256"), ab.parse_arm("q64 chunk_size=64")]
+    arms = [ab.parse_arm("q256 chunk_size=256"), ab.parse_arm("q64 chunk_size=64"),
+            ab.parse_arm("p2 precision=2xbf16")]
     record = ab.run_case(case, arms, rounds=1, reps=2, device="cpu")
-    assert [p.chunk_size for p in planned] == [64, 256]     # q64 reuses the dispatched plan
+    # q64 reuses the dispatched plan; p2 is planned anew, in its mode, at the case's size.
+    assert [p.chunk_size for p in planned] == [64, 256, 64]
+    assert modes == [None, None, "2xbf16"]
     assert planned[1].x is planned[0].x and planned[1].B is planned[0].B
     found = record["arms"]
     assert found["q64"]["bit_equal"] and found["q64"]["changes"] == "chunk_size=64"
@@ -278,12 +291,24 @@ def test_a_chunk_size_arm_compiles_the_plan_made_at_that_size(monkeypatch):
     assert record["arms"]["q256"]["changes"] == "chunk_size=256"
 
 
+def test_a_precision_arm_compiles_the_plan_made_in_that_mode(monkeypatch):
+    seen = []
+    monkeypatch.setattr(ab, "compiled_kernels", lambda key, plan, target, done: seen.append(
+        (plan.scan_out.precision, plan.scan_out.state_precision)) or {})
+    case = ab.parse_case("8,4096,64,64,128,1", 64)
+    arms = [ab.parse_arm("p2 precision=2xbf16"), ab.parse_arm("p3 precision=3xfp16")]
+    record = ab.compile_case(case, arms, "sm_90", {})
+    assert seen == [("input", "input"), ("2xbf16", "3xbf16")]
+    # fp16's split takes no bf16 x: the arm is recorded as not applicable, naming why.
+    assert "expected '3xfp16' only with float16 x" in record["arms"]["p3"]["not_applicable"]
+
+
 def test_a_dispatch_constants_arm_is_timed_on_the_plan_made_under_them(monkeypatch):
     case = ab.parse_case("2,300,8,16,16,2", 64)
     plan = _plan()
     planned = []
 
-    def stage_pipeline(problem, varlen):
+    def stage_pipeline(problem, varlen, precision=None):
         # A stand-in dispatcher that reads one constant: out transposed where it is 1.
         planned.append(ssd.WALK_X_LATENCY)
         transposed = dataclasses.replace(plan.scan_out, out_transposed=True)
