@@ -230,7 +230,7 @@ WALK_OWN_SCORES_MAX_READERS = 8
 # and with final states (experiments/ab_fp16_walk_n256_db095c0.txt); 8 worker warps at dstate
 # 128 lost (1.34-1.35x the compiler's 4), so only dstate 256 takes them. float32 x walks up to
 # dstate 64 ('3xbf16', WALK_MODES has the figures).
-WALK_MAX_DSTATE = {"input": 256, "2xfp16": 256, "3xbf16": 64}
+WALK_MAX_DSTATE = {"input": 256, "2xbf16": 256, "2xfp16": 256, "3xbf16": 64}
 # tileiras 13.4 fails to compile float32's walk at dstate 64 for sm_100 ("failed to compile Tile
 # IR program" within seconds, with 4 or 8 worker warps, its own or the shared scores, 64- or
 # 32-channel blocks; dstate 32 and 128 compile there, as do the bf16 and fp16 walks at 64), so
@@ -312,7 +312,10 @@ WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # warps (242 registers, no spill on sm_90), 1.23x with 4 (1,192 bytes spilled), 1.85x at
 # 32 heads in 8 groups (experiments/ab_fp32_walk_9b7a531.txt). On sm_90 8 worker warps at
 # dstate 64 take 168 registers, no spill (the compiler's 4: 255, none); at 32 both 168.
-WALK_MODES = {torch.bfloat16: "input", torch.float16: "2xfp16", torch.float32: "3xbf16"}
+# bf16 x walks in '2xbf16' too, where a call opts in to it (ssd_forward's precision): every
+# computed operand in two bf16 terms, the state update in three as ever (``state_precision``).
+WALK_MODES = {torch.bfloat16: ("input", "2xbf16"), torch.float16: ("2xfp16",),
+              torch.float32: ("3xbf16",)}
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
 # state from zero, a sum over the segments gives the state entering each one
@@ -1108,7 +1111,7 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     state update is in the mode ``state_precision`` gives the chunk states (out alone, 'input'
     (bf16), '2xfp16' or '3xbf16'; returning final states, their float32-grade mode), or, one
     block an SM, in the one WALK_STATE_UPDATE_MODES names for it at the call's padded dstate."""
-    if not (WALK_MODES.get(key.x_dtype) == mode
+    if not (mode in WALK_MODES.get(key.x_dtype, ())
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
                  or walk_takes_few_pairs(key, mode, segments))
