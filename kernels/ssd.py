@@ -299,7 +299,8 @@ WALK_PAIRING = {"input": (128, SCAN_OUT_PAIRED_COST), "2xfp16": (64, 1.32), "3xb
 # 118,108 bytes (two do not fit an SM's 228 KB) and on sm_80 spills 1,448 bytes, so only 9.x takes
 # this reach.
 WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
-# The mode the walk runs in for each x dtype: the dtype's default. Measured on the H200 against
+# The modes the walk runs in, each with the x dtype it takes there (torch's name): each dtype's
+# default. Measured on the H200 against
 # chunk 256 and the two state kernels, which such calls took before: fp16 x (its '2xfp16'
 # default) 0.41-0.77x (first anchor 1.49 -> 1.09 ms out alone), bf16 x returning final states
 # (their update in '3xbf16') 0.55-0.77x (first anchor 0.93 -> 0.56 ms), the final states
@@ -312,10 +313,12 @@ WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # warps (242 registers, no spill on sm_90), 1.23x with 4 (1,192 bytes spilled), 1.85x at
 # 32 heads in 8 groups (experiments/ab_fp32_walk_9b7a531.txt). On sm_90 8 worker warps at
 # dstate 64 take 168 registers, no spill (the compiler's 4: 255, none); at 32 both 168.
-# bf16 x walks in '2xbf16' too, where a call opts in to it (ssd_forward's precision): every
-# computed operand in two bf16 terms, the state update in three as ever (``state_precision``).
-WALK_MODES = {torch.bfloat16: ("input", "2xbf16"), torch.float16: ("2xfp16",),
-              torch.float32: ("3xbf16",)}
+# bf16 x opting in to '2xbf16' (every computed operand in two bf16 terms) takes chunk 256: its
+# walk (``mamba2-cutile ab --arm 'p2 precision=2xbf16 ssd.WALK_MODES.2xbf16=bfloat16'``, the
+# state update in '3xbf16') compiles for sm_90 one block an SM, 168 registers, no spill, 194,000
+# bytes of shared memory at dstate 128, 255 registers at 64, an 8-byte spill at 256
+# (reports/cpu/experiments/ab_p2_sm_90_*.json), but has not run on a GPU.
+WALK_MODES = {"input": "bfloat16", "2xfp16": "float16", "3xbf16": "float32"}
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
 # state from zero, a sum over the segments gives the state entering each one
@@ -1111,7 +1114,7 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     state update is in the mode ``state_precision`` gives the chunk states (out alone, 'input'
     (bf16), '2xfp16' or '3xbf16'; returning final states, their float32-grade mode), or, one
     block an SM, in the one WALK_STATE_UPDATE_MODES names for it at the call's padded dstate."""
-    if not (mode in WALK_MODES.get(key.x_dtype, ())
+    if not (WALK_MODES.get(mode) == str(key.x_dtype).removeprefix("torch.")
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
                  or walk_takes_few_pairs(key, mode, segments))

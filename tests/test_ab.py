@@ -96,7 +96,7 @@ def test_an_arm_may_replan_the_call_in_another_mode():
     ("w ssd.walk_segments=1", "a dispatch constant of kernels.ssd"),
     ("w ssd.NO_SUCH_RULE=1", "a dispatch constant of kernels.ssd"),
     ("w ssd.WALK_PAIRING=[64,1.5]", "ssd.WALK_PAIRING is a dict: expected ssd.WALK_PAIRING.<key>"),
-    ("w ssd.WALK_MODES.bf16=input", "ssd.WALK_MODES is a dict"),     # keys are dtypes
+    ("w ssd.AUTO_PRECISION.bf16=input", "ssd.AUTO_PRECISION is a dict"),    # keys are dtypes
     ("w ssd.WALK_MIN_SPLIT_ROW_HEADS.x=1", "takes no '.<key>'"),
     ("w ssd.WALK_MIN_SPLIT_ROW_HEADS=1.5", "ssd.WALK_MIN_SPLIT_ROW_HEADS expected int, got 1.5"),
     ("w ssd.WALK_X_LATENCY=true", "ssd.WALK_X_LATENCY expected int, got True"),
@@ -294,11 +294,14 @@ def test_a_chunk_size_arm_compiles_the_plan_made_at_that_size(monkeypatch):
 def test_a_precision_arm_compiles_the_plan_made_in_that_mode(monkeypatch):
     seen = []
     monkeypatch.setattr(ab, "compiled_kernels", lambda key, plan, target, done: seen.append(
-        (plan.scan_out.precision, plan.scan_out.state_precision)) or {})
+        [(name, config.precision) for name, config in plan.named_configs()
+         if name in ("scan_out", "compute_out")]) or {})
     case = ab.parse_case("8,4096,64,64,128,1", 64)
-    arms = [ab.parse_arm("p2 precision=2xbf16"), ab.parse_arm("p3 precision=3xfp16")]
+    arms = [ab.parse_arm("p2 precision=2xbf16"), ab.parse_arm("p3 precision=3xfp16"),
+            ab.parse_arm("w2 precision=2xbf16 ssd.WALK_MODES.2xbf16=bfloat16")]
     record = ab.compile_case(case, arms, "sm_90", {})
-    assert seen == [("input", "input"), ("2xbf16", "3xbf16")]
+    assert seen == [[("scan_out", "input")], [("compute_out", "2xbf16")],
+                    [("scan_out", "2xbf16")]]
     # fp16's split takes no bf16 x: the arm is recorded as not applicable, naming why.
     assert "expected '3xfp16' only with float16 x" in record["arms"]["p3"]["not_applicable"]
 
