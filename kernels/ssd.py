@@ -317,7 +317,7 @@ WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # walk (``mamba2-cutile ab --arm 'p2 precision=2xbf16 ssd.WALK_MODES.2xbf16=bfloat16'``, the
 # state update in '3xbf16') compiles for sm_90 one block an SM, 168 registers, no spill, 194,000
 # bytes of shared memory at dstate 128, 255 registers at 64, an 8-byte spill at 256
-# (reports/cpu/experiments/ab_p2_sm_90_*.json), but has not run on a GPU.
+# (reports/cpu/experiments/ab_p2_p2s_c256_sm_90_0a0b687.json), but has not run on a GPU.
 WALK_MODES = {"input": "bfloat16", "2xfp16": "float16", "3xbf16": "float32"}
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
