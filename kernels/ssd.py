@@ -229,7 +229,8 @@ WALK_OWN_SCORES_MAX_READERS = 8
 # 0.491-0.511x the time of chunk 256, which those calls ran before, at three shapes, out alone
 # and with final states (experiments/ab_fp16_walk_n256_db095c0.txt); 8 worker warps at dstate
 # 128 lost (1.34-1.35x the compiler's 4), so only dstate 256 takes them. float32 x walks up to
-# dstate 64 ('3xbf16', WALK_MODES has the figures).
+# dstate 64 ('3xbf16', WALK_MODES has the figures). '2xbf16' walks only under a rule that adds
+# it to WALK_MODES (there), up to 256 as 'input'.
 WALK_MAX_DSTATE = {"input": 256, "2xbf16": 256, "2xfp16": 256, "3xbf16": 64}
 # tileiras 13.4 fails to compile float32's walk at dstate 64 for sm_100 ("failed to compile Tile
 # IR program" within seconds, with 4 or 8 worker warps, its own or the shared scores, 64- or
@@ -300,19 +301,18 @@ WALK_PAIRING = {"input": (128, SCAN_OUT_PAIRED_COST), "2xfp16": (64, 1.32), "3xb
 # this reach.
 WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # The modes the walk runs in, each with the x dtype it takes there (torch's name): each dtype's
-# default. Measured on the H200 against
-# chunk 256 and the two state kernels, which such calls took before: fp16 x (its '2xfp16'
-# default) 0.41-0.77x (first anchor 1.49 -> 1.09 ms out alone), bf16 x returning final states
-# (their update in '3xbf16') 0.55-0.77x (first anchor 0.93 -> 0.56 ms), the final states
-# 4-5e-8 apart (experiments/ab_walk_modes_ebba46f.txt). float32 x ('3xbf16', 36 MMAs a chunk)
-# up to dstate 64: there 0.504-0.517x with 8 worker warps at four shapes of 128 to 512 pairs,
-# out alone and with final states (first anchor at dstate 64 3.48 -> 1.79 ms; 0.642-0.665x
-# with the compiler's 4), at dstate 32 0.377x and 16 0.357x with 4 (0.55x and 0.64x with 8);
-# out 3-6% further from float64 than chunk 256's (~1.5e-7 normwise), final states 2% nearer
-# (experiments/ab_fp32_walk_rule_b85bfdb.txt). At dstate 128 it lost: 1.38x with 8 worker
-# warps (242 registers, no spill on sm_90), 1.23x with 4 (1,192 bytes spilled), 1.85x at
-# 32 heads in 8 groups (experiments/ab_fp32_walk_9b7a531.txt). On sm_90 8 worker warps at
-# dstate 64 take 168 registers, no spill (the compiler's 4: 255, none); at 32 both 168.
+# default. Measured on the H200 against chunk 256 and the two state kernels, which such calls took
+# before: fp16 x (its '2xfp16' default) 0.41-0.77x (first anchor 1.49 -> 1.09 ms out alone), bf16 x
+# returning final states (their update in '3xbf16') 0.55-0.77x (first anchor 0.93 -> 0.56 ms), the
+# final states 4-5e-8 apart (experiments/ab_walk_modes_ebba46f.txt). float32 x ('3xbf16', 36 MMAs a
+# chunk) up to dstate 64: there 0.504-0.517x with 8 worker warps at four shapes of 128 to 512 pairs,
+# out alone and with final states (first anchor at dstate 64 3.48 -> 1.79 ms; 0.642-0.665x with the
+# compiler's 4), at dstate 32 0.377x and 16 0.357x with 4 (0.55x and 0.64x with 8); out 3-6% further
+# from float64 than chunk 256's (~1.5e-7 normwise), final states 2% nearer
+# (experiments/ab_fp32_walk_rule_b85bfdb.txt). At dstate 128 it lost: 1.38x with 8 worker warps (242
+# registers, no spill on sm_90), 1.23x with 4 (1,192 bytes spilled), 1.85x at 32 heads in 8 groups
+# (experiments/ab_fp32_walk_9b7a531.txt). On sm_90 8 worker warps at dstate 64 take 168 registers,
+# no spill (the compiler's 4: 255, none); at 32 both 168.
 # bf16 x opting in to '2xbf16' (every computed operand in two bf16 terms) takes chunk 256: its
 # walk (``mamba2-cutile ab --arm 'p2 precision=2xbf16 ssd.WALK_MODES.2xbf16=bfloat16'``, the
 # state update in '3xbf16') compiles for sm_90 one block an SM, 168 registers, no spill, 194,000

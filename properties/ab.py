@@ -9,13 +9,14 @@ plan's kernel configs to change, each ``<plan field>.<config field>=<value>`` (`
 cumsum, out, state_scan, scan_out, segment_states, ...), and/or ``chunk_size=<n>``: the call at
 that chunk size as the dispatcher plans it (the same tensors), with any config changes on top; a
 dispatch rule that moves calls between chunk sizes is timed so. ``precision=<mode>`` plans the
-call as ``ssd_forward(precision=<mode>)`` does (an opt-in mode against the default, say). ``ssd.<NAME>=<value>`` (or
-``ssd.<NAME>.<key>=<value>`` for an item of a dict) plans the arm with one of kernels.ssd's
-dispatch constants changed (``WALK_MIN_SPLIT_ROW_HEADS``, ``WALK_PAIRING.input``, ...; the
-constants read when a call is planned, e.g. which calls the walk takes and in how many
-segments), so that a new rule is timed by this command before it is written; an arm whose
-constants leave the plan as dispatched is recorded as not applicable. Values are JSON (2, true,
-null, "bf16", [0.0, 6.0]) or else plain text; every name and type is checked before any GPU work.
+call as ``ssd_forward(precision=<mode>)`` does (an opt-in mode against the default, say).
+``ssd.<NAME>=<value>`` (or ``ssd.<NAME>.<key>=<value>`` for an item of a dict) plans the arm
+with one of kernels.ssd's dispatch constants changed (``WALK_MIN_SPLIT_ROW_HEADS``,
+``WALK_PAIRING.input``, ...; the constants read when a call is planned, e.g. which calls the
+walk takes and in how many segments), so that a new rule is timed by this command before it is
+written; an arm whose constants leave the plan as dispatched is recorded as not applicable.
+Values are JSON (2, true, null, "bf16", [0.0, 6.0]) or else plain text; every name and type is
+checked before any GPU work.
 
 Each case runs the dispatcher's plan ("dispatched") and every arm that applies to it (an arm
 naming a kernel the plan does not run is recorded as not applicable), all on the same inputs.

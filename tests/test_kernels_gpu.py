@@ -928,8 +928,8 @@ def test_the_walks_weights_unrounded_pass_the_rule_with_less_error(
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("seqlen, dstate, z, d, final_states", [
-    (2048, 128, False, None, False), (1100, 128, True, None, True), (2048, 64, False, "head", False),
-    (1024, 256, False, "channel", True)])
+    (2048, 128, False, None, False), (1100, 128, True, None, True),
+    (2048, 64, False, "head", False), (1024, 256, False, "channel", True)])
 def test_the_walk_in_2xbf16_passes_the_rule_nearer_float64_than_input(seqlen, dstate, z, d,
                                                                       final_states):
     """bf16 x opting in to '2xbf16' walks under the rule that adds it (``kernels.ssd.WALK_MODES``;
