@@ -951,10 +951,10 @@ def test_the_walk_in_2xbf16_passes_the_rule_nearer_float64_than_input(seqlen, ds
                               states_returned=final_states).plan.scan_out
         assert walk is not None and walk.precision == "2xbf16", walk
         walked = check_problem(problem, precision="2xbf16", with_mamba=False)
-    records = {"2xbf16": walked, **{
-        name: check_problem(replace(problem, chunk_size=q), precision=mode, with_mamba=False)
-        for name, q, mode in (("input", 64, None), ("2xbf16 chunk 256", 256, "2xbf16"))}}
-    assert not records["2xbf16"]["violations"], records["2xbf16"]["violations"]
+    assert not walked["violations"], walked["violations"]
+    records = {"2xbf16": walked, "input": check_problem(problem, with_mamba=False),
+               "2xbf16 chunk 256": check_problem(replace(problem, chunk_size=256),
+                                                 precision="2xbf16", with_mamba=False)}
     errors = {name: r["quantities"]["out"]["normwise_rel"] for name, r in records.items()}
     assert errors["2xbf16"] < 0.85 * errors["input"], errors
     assert errors["2xbf16"] < 1.1 * errors["2xbf16 chunk 256"], errors
