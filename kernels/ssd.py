@@ -229,8 +229,7 @@ WALK_OWN_SCORES_MAX_READERS = 8
 # 0.491-0.511x the time of chunk 256, which those calls ran before, at three shapes, out alone
 # and with final states (experiments/ab_fp16_walk_n256_db095c0.txt); 8 worker warps at dstate
 # 128 lost (1.34-1.35x the compiler's 4), so only dstate 256 takes them. float32 x walks up to
-# dstate 64 ('3xbf16', WALK_MODES has the figures). '2xbf16' walks only under a rule that adds
-# it to WALK_MODES (there), up to 256 as 'input'.
+# dstate 64 ('3xbf16', WALK_MODES has the figures); '2xbf16' up to 256 as 'input'.
 WALK_MAX_DSTATE = {"input": 256, "2xbf16": 256, "2xfp16": 256, "3xbf16": 64}
 # tileiras 13.4 fails to compile float32's walk at dstate 64 for sm_100 ("failed to compile Tile
 # IR program" within seconds, with 4 or 8 worker warps, its own or the shared scores, 64- or
@@ -313,12 +312,16 @@ WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # registers, no spill on sm_90), 1.23x with 4 (1,192 bytes spilled), 1.85x at 32 heads in 8 groups
 # (experiments/ab_fp32_walk_9b7a531.txt). On sm_90 8 worker warps at dstate 64 take 168 registers,
 # no spill (the compiler's 4: 255, none); at 32 both 168.
-# bf16 x opting in to '2xbf16' (every computed operand in two bf16 terms) takes chunk 256: its
-# walk (``mamba2-cutile ab --arm 'p2 precision=2xbf16 ssd.WALK_MODES.2xbf16=bfloat16'``, the
-# state update in '3xbf16') compiles for sm_90 one block an SM, 168 registers, no spill, 194,000
-# bytes of shared memory at dstate 128, 255 registers at 64, an 8-byte spill at 256
-# (reports/cpu/experiments/ab_p2_p2s_c256_sm_90_0a0b687.json), but has not run on a GPU.
-WALK_MODES = {"input": "bfloat16", "2xfp16": "float16", "3xbf16": "float32"}
+# bf16 x opting in to '2xbf16' (every computed operand in two bf16 terms, the state update in
+# '3xbf16') walks too, one block an SM (168 registers, no spill, 194,000 bytes at dstate 128 on
+# sm_90; 255 registers at 64, an 8-byte spill at 256): on the H100 at e33b16b 0.39-0.45x of chunk
+# 256's '2xbf16', which such calls took before (first anchor 1.49 -> 0.59 ms; 1.69x the default's
+# 0.35 ms in 'input'), out alone and with final states, dstate 64 and 128, out as far from float64
+# as there (1.66e-3 normwise; 'input' 2.46e-3;
+# reports/h100/experiments/ab_p2_p2s_c256_e33b16b.json).
+# Its state update in '2xbf16' saved nothing (0.99-1.17x).
+WALK_MODES = {"input": "bfloat16", "2xbf16": "bfloat16", "2xfp16": "float16",
+              "3xbf16": "float32"}
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
 # state from zero, a sum over the segments gives the state entering each one
@@ -1105,8 +1108,8 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
                          occupancy: Optional[int], segments: int,
                          capability: int) -> Optional[str]:
     """The mode of the walk's state update where stages 2 and 3 run as kernels/scan_out.py,
-    else None: a bf16 call in 'input', an fp16 one in '2xfp16' or a float32 one in '3xbf16'
-    (the defaults, ``WALK_MODES``) at chunk STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS
+    else None: a bf16 call in 'input' (or its opt-in '2xbf16'), an fp16 one in '2xfp16' or a
+    float32 one in '3xbf16' (``WALK_MODES``) at chunk STATE_SCAN_CHUNK_SIZE, with SCAN_OUT_MIN_ROW_HEADS
     (row, head) pairs or more, or fewer split in ``segments`` (``walk_segments``) where
     ``walk_takes_few_pairs``, dstate up to the mode's ``walk_max_dstate`` on a GPU of compute
     ``capability`` (the state in registers), no packed sequences, not both z and D unless the

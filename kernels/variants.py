@@ -239,6 +239,13 @@ COVERING_KEYS = (
                                      seq_dtype=i32, cu_dtype=i32, nseq=4, varlen=True,
                                      has_d=True), bf16, "input"),
     ("anchor-b8-L4096-h64-2xbf16", _anchor(8, 4096, 64, 1), f32, "2xbf16"),
+    # bf16 x walks in '2xbf16' where a call opts in (kernels.ssd.WALK_MODES), one block an SM, its
+    # state update in '3xbf16' out alone and with final states (kernels.ssd.state_precision).
+    *((f"anchor-b8-L4096-h64-q64-2xbf16{n}-{name}-walk",
+       replace(_anchor(8, 4096, 64, 1), chunk_size=64, dstate=dstate, states_returned=returned),
+       f32, "2xbf16")
+      for n, dstate in (("", 128), ("-n64", 64), ("-n256", 256))
+      for name, returned in (("out-only", False), ("final-states", True))),
     ("fp32-anchor-b8-L4096-h64-3xbf16", _anchor(8, 4096, 64, 1, x_dtype=f32, b_dtype=f32,
                                                 c_dtype=f32), f32, "3xbf16"),
     ("fp16-anchor-b8-L4096-h64-3xbf16", _anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16,

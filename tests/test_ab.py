@@ -298,10 +298,10 @@ def test_a_precision_arm_compiles_the_plan_made_in_that_mode(monkeypatch):
          if name in ("scan_out", "compute_out")]) or {})
     case = ab.parse_case("8,4096,64,64,128,1", 64)
     arms = [ab.parse_arm("p2 precision=2xbf16"), ab.parse_arm("p3 precision=3xfp16"),
-            ab.parse_arm("w2 precision=2xbf16 ssd.WALK_MODES.2xbf16=bfloat16")]
+            ab.parse_arm("c2 precision=2xbf16 chunk_size=256")]
     record = ab.compile_case(case, arms, "sm_90", {})
-    assert seen == [[("scan_out", "input")], [("compute_out", "2xbf16")],
-                    [("scan_out", "2xbf16")]]
+    assert seen == [[("scan_out", "input")], [("scan_out", "2xbf16")],
+                    [("compute_out", "2xbf16")]]
     # fp16's split takes no bf16 x: the arm is recorded as not applicable, naming why.
     assert "expected '3xfp16' only with float16 x" in record["arms"]["p3"]["not_applicable"]
 

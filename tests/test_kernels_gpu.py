@@ -932,25 +932,21 @@ def test_the_walks_weights_unrounded_pass_the_rule_with_less_error(
     (2048, 64, False, "head", False), (1024, 256, False, "channel", True)])
 def test_the_walk_in_2xbf16_passes_the_rule_nearer_float64_than_input(seqlen, dstate, z, d,
                                                                       final_states):
-    """bf16 x opting in to '2xbf16' walks under the rule that adds it (``kernels.ssd.WALK_MODES``;
-    not dispatched), one block an SM: 2 rows of 64 heads, out alone and with final states, z or
-    D, dstate 64 to 256, a chunk's part last. Held to the rule against float64; out's normwise
-    error below 0.85x that of the default walk in 'input' on the same inputs, and within 1.1x
-    that of chunk 256's '2xbf16' (the path such calls take): every computed operand reaches its
-    MMA in two bf16 terms (the CPU model at 1 x 2,048 x 4 heads: 1.66e-3 against 'input''s
-    2.50e-3, bf16's own rounding of out 1.66e-3)."""
+    """bf16 x opting in to '2xbf16' walks (``kernels.ssd.WALK_MODES``), one block an SM: 2 rows
+    of 64 heads, out alone and with final states, z or D, dstate 64 to 256, a chunk's part last.
+    Held to the rule against float64; out's normwise error below 0.85x that of the default walk
+    in 'input' on the same inputs, and within 1.1x that of chunk 256's '2xbf16' (the path such
+    calls took before): every computed operand reaches its MMA in two bf16 terms (the CPU model
+    at 1 x 2,048 x 4 heads: 1.66e-3 against 'input''s 2.50e-3, bf16's own rounding of out
+    1.66e-3)."""
     from dataclasses import replace
-
-    from properties.ab import dispatch_rules
     spec = ProblemSpec(batch=2, seqlen=seqlen, nheads=64, headdim=64, dstate=dstate,
                        chunk_size=64, x_dtype="bf16", bc_dtype="bf16", z=z, D=d,
                        return_final_states=final_states)
     problem = build_problem(spec, "cuda")
-    with dispatch_rules({("WALK_MODES", "2xbf16"): "bfloat16"}):
-        walk = stage_pipeline(problem, precision="2xbf16",
-                              states_returned=final_states).plan.scan_out
-        assert walk is not None and walk.precision == "2xbf16", walk
-        walked = check_problem(problem, precision="2xbf16", with_mamba=False)
+    walk = stage_pipeline(problem, precision="2xbf16", states_returned=final_states).plan.scan_out
+    assert walk is not None and walk.precision == "2xbf16", walk
+    walked = check_problem(problem, precision="2xbf16", with_mamba=False)
     assert not walked["violations"], walked["violations"]
     records = {"2xbf16": walked, "input": check_problem(problem, with_mamba=False),
                "2xbf16 chunk 256": check_problem(replace(problem, chunk_size=256),

@@ -315,11 +315,12 @@ def test_the_bf16_split_modes_sit_within_the_rule_and_below_tf32(name, seed):
 
 
 def test_bf16_2xbf16_at_chunk_64_leaves_out_at_bf16s_own_rounding():
-    """At chunk 64, where the walk would run "2xbf16" under a rule (kernels.ssd.WALK_MODES, not
-    dispatched), out alone with its chunk states in the mode they take there: at the anchors'
-    input ranges (1 x 2,048 x 4 heads, headdim 64, dstate 128) the model puts out's normwise
-    error against float64 at bf16's own rounding of the exact out (1.66e-3 when this was
-    written), where 'input' is 1.5x that (2.50e-3; 2.37e-3 at chunk 256, mamba_ssm's level)."""
+    """At chunk 64, where bf16 calls opting in to "2xbf16" walk (kernels.ssd.WALK_MODES), out
+    alone with its chunk states in the mode they take there: at the anchors' input ranges (1 x
+    2,048 x 4 heads, headdim 64, dstate 128) the model puts out's normwise error against float64
+    at bf16's own rounding of the exact out (1.66e-3 when this was written; the H100's walk
+    1.66e-3 at the first anchor), where 'input' is 1.5x that (2.50e-3; 2.37e-3 at chunk 256,
+    mamba_ssm's level)."""
     problem = build_problem(ProblemSpec(batch=1, seqlen=2048, nheads=4, headdim=64, dstate=128,
                                         chunk_size=64, x_dtype="bf16", bc_dtype="bf16"), "cpu")
     exact = sequential_ssd(problem).out
