@@ -316,10 +316,10 @@ WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # '3xbf16') walks too, one block an SM (168 registers, no spill, 194,000 bytes at dstate 128 on
 # sm_90; 255 registers at 64, an 8-byte spill at 256): on the H100 at e33b16b 0.39-0.45x of chunk
 # 256's '2xbf16', which such calls took before (first anchor 1.49 -> 0.59 ms; 1.69x the default's
-# 0.35 ms in 'input'), out alone and with final states, dstate 64 and 128, out as far from float64
-# as there (1.66e-3 normwise; 'input' 2.46e-3;
-# reports/h100/experiments/ab_p2_p2s_c256_e33b16b.json).
-# Its state update in '2xbf16' saved nothing (0.99-1.17x).
+# 0.35 ms in 'input'), out alone and with final states, dstate 64 to 256 (256: 0.40-0.41x,
+# ab_p2_n256_bc870b4.json), out as far from float64 as there (1.66e-3 normwise; 'input' 2.46e-3;
+# reports/h100/experiments/ab_p2_p2s_c256_e33b16b.json). Its state update in '2xbf16' saved
+# nothing (0.99-1.17x).
 WALK_MODES = {"input": "bfloat16", "2xbf16": "bfloat16", "2xfp16": "float16",
               "3xbf16": "float32"}
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
