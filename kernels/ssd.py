@@ -839,31 +839,23 @@ def walk_blocks(key: ProblemKey) -> int:
     return key.batch * key.nheads * -(-key.headdim // p_block)
 
 
-def walk_segments(key: ProblemKey, sms: int, mode: str = "input") -> int:
-    """The segments the walk in bf16's ``mode`` ('input', the default, or '2xbf16') splits each
-    sequence into: 1 from SCAN_OUT_MIN_ROW_HEADS pairs or below WALK_SPLIT_MIN_CHUNKS chunks, else
-    the most (a power of two, up to WALK_MAX_SEGMENTS) whose blocks fit one round on ``sms`` SMs,
-    one block an SM, with WALK_SEGMENT_MIN_CHUNKS chunks or more each; twice as many, in one round
-    two to an SM, where they are as long, pairs times segments reach
-    WALK_MIN_PAIRED_SPLIT_ROW_HEADS and the mode's walk pairs at the call's dstate
-    (``_pairs_up_to``): from WALK_PAIRED_SEGMENTS_FROM such segments always, below only where the
-    walk would not take the call (or there is no split); four instead of two, alone or paired,
-    where ``walks_four_segments``. At headdim 64 over 65,536 tokens on 132 SMs in 'input': two
-    segments paired from 67 to 127 pairs (four from 67 to 82 with final states, alone, or out
-    alone with D, paired), two alone from 48 to 66 (four paired out alone with D), four from 34
-    to 47, eight from 17 to 33, sixteen from 9 to 16; '2xbf16' never pairs: one segment from 67
-    pairs, two from 34 to 66, four from 17 to 33, eight from 9 to 16, sixteen below."""
-    segments, doubled = _walk_segments_by_rounds(key, sms, mode)
-    return 4 if segments == 2 and walks_four_segments(key, sms, doubled, mode) else segments
+def walk_segments(key: ProblemKey, sms: int) -> int:
+    """The segments the walk splits each sequence into: 1 from SCAN_OUT_MIN_ROW_HEADS pairs or
+    below WALK_SPLIT_MIN_CHUNKS chunks, else the most (a power of two, up to WALK_MAX_SEGMENTS)
+    whose blocks fit one round on ``sms`` SMs, one block an SM, with WALK_SEGMENT_MIN_CHUNKS
+    chunks or more each; twice as many, in one round two to an SM, where they are as long, pairs
+    times segments reach WALK_MIN_PAIRED_SPLIT_ROW_HEADS and bf16's walk pairs at the call's
+    dstate (WALK_PAIRING): from WALK_PAIRED_SEGMENTS_FROM such segments always, below only where
+    the walk would not take the call (or there is no split); four instead of two, alone or paired,
+    where ``walks_four_segments``. At headdim 64 over 65,536 tokens on 132 SMs: two segments
+    paired from 67 to 127 pairs (four from 67 to 82 with final states, alone, or out alone with
+    D, paired), two alone from 48 to 66 (four paired out alone with D), four from 34 to 47,
+    eight from 17 to 33, sixteen from 9 to 16."""
+    segments, doubled = _walk_segments_by_rounds(key, sms)
+    return 4 if segments == 2 and walks_four_segments(key, sms, doubled) else segments
 
 
-def _pairs_up_to(mode: str) -> int:
-    """The most padded dstate at which the split walk in bf16's ``mode`` pairs its blocks
-    (WALK_PAIRING; 0: never)."""
-    return WALK_PAIRING.get(mode, (0, None))[0]
-
-
-def _walk_segments_by_rounds(key: ProblemKey, sms: int, mode: str) -> tuple[int, bool]:
+def _walk_segments_by_rounds(key: ProblemKey, sms: int) -> tuple[int, bool]:
     """``walk_segments`` before ``walks_four_segments``: (segments, whether they were doubled to
     run paired)."""
     if (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
@@ -883,11 +875,12 @@ def _walk_segments_by_rounds(key: ProblemKey, sms: int, mode: str) -> tuple[int,
     else:
         doubles = (pairs * segments >= WALK_MIN_PAIRED_SPLIT_ROW_HEADS
                    and (segments == 1 or pairs * segments < WALK_MIN_SPLIT_ROW_HEADS))
-    doubled = doubles and fits(segments, 2) and next_pow2(key.dstate) <= _pairs_up_to(mode)
+    doubled = (doubles and fits(segments, 2)
+               and next_pow2(key.dstate) <= WALK_PAIRING["input"][0])
     return (2 * segments if doubled else segments), doubled
 
 
-def walks_four_segments(key: ProblemKey, sms: int, from_paired: bool, mode: str) -> bool:
+def walks_four_segments(key: ProblemKey, sms: int, from_paired: bool) -> bool:
     """Whether a call that would walk in two segments, alone in one round or (``from_paired``)
     doubled from one to run paired, walks in four instead: not with both z and D, and where the
     four segments' blocks take at most WALK_FOUR_MAX_ROUNDS rounds one block an SM (up to 82
@@ -901,24 +894,25 @@ def walks_four_segments(key: ProblemKey, sms: int, from_paired: bool, mode: str)
         return False
     if key.states_returned:
         return from_paired
-    return key.has_d and next_pow2(key.dstate) <= _pairs_up_to(mode)
+    return key.has_d and next_pow2(key.dstate) <= WALK_PAIRING["input"][0]
 
 
-def walks_four_paired(key: ProblemKey, sms: int, mode: str = "input") -> bool:
+def walks_four_paired(key: ProblemKey, sms: int) -> bool:
     """Whether out alone walks in four segments from two (``walks_four_segments``), which run
     two blocks an SM even past one paired round."""
-    segments, doubled = _walk_segments_by_rounds(key, sms, mode)
+    segments, doubled = _walk_segments_by_rounds(key, sms)
     return (not key.states_returned and segments == 2
-            and walks_four_segments(key, sms, doubled, mode))
+            and walks_four_segments(key, sms, doubled))
 
 
-def segment_split(key: ProblemKey, segments: int, sms: int, mode: str = "input") -> int:
+def segment_split(key: ProblemKey, segments: int, sms: int) -> int:
     """The parts each of the first ``segments - 1`` segments' states-only walk takes: the most
     (a power of two) whose blocks fit one round on ``sms`` SMs, two blocks an SM up to the
-    dstate at which the walk in bf16's ``mode`` pairs (``_pairs_up_to``), else one; 1 unsplit."""
+    dstate at which bf16's walk pairs (WALK_PAIRING), else one; 1 unsplit."""
     if segments == 1:
         return 1
-    slots = sms * (2 if next_pow2(key.dstate) <= _pairs_up_to(mode) else 1)
+    max_dstate, _ = WALK_PAIRING["input"]
+    slots = sms * (2 if next_pow2(key.dstate) <= max_dstate else 1)
     blocks = walk_blocks(key) * (segments - 1)
     split = 1
     while blocks * split * 2 <= slots:
@@ -1072,10 +1066,9 @@ def walk_updates_early(key: ProblemKey, mode: str, state_mode: str, segments: in
 
 def walk_takes_few_pairs(key: ProblemKey, mode: str, segments: int) -> bool:
     """Whether the walk takes a call of fewer than SCAN_OUT_MIN_ROW_HEADS (row, head) pairs in
-    ``segments`` segments: in a bf16 mode ('input' or '2xbf16', WALK_MODES), with
-    WALK_MIN_SPLIT_ROW_HEADS pairs times segments or more."""
-    return (WALK_MODES.get(mode) == "bfloat16"
-            and key.batch * key.nheads * segments >= WALK_MIN_SPLIT_ROW_HEADS)
+    ``segments`` segments: in 'input' (bf16 x), with WALK_MIN_SPLIT_ROW_HEADS pairs times
+    segments or more."""
+    return mode == "input" and key.batch * key.nheads * segments >= WALK_MIN_SPLIT_ROW_HEADS
 
 
 def walk_pairing(mode: str, capability: int) -> tuple[int, Optional[float]]:
@@ -1145,9 +1138,9 @@ def walk_dispatch(key: ProblemKey, mode: str, states_mode: str, sms: int,
     """(state update mode, occupancy hint, segments) of the walk where it takes the call on
     ``sms`` SMs of compute ``capability`` (``walk_state_precision``, ``walk_occupancy``,
     ``walk_segments``), else (None, None, 1)."""
-    segments = walk_segments(key, sms, mode)
+    segments = walk_segments(key, sms)
     occupancy = walk_occupancy(key, mode, sms, capability, segments)
-    if walks_four_paired(key, sms, mode):
+    if walks_four_paired(key, sms):
         occupancy = 2
     walk_mode = walk_state_precision(key, mode, states_mode, occupancy, segments, capability)
     return (None, None, 1) if walk_mode is None else (walk_mode, occupancy, segments)
@@ -1240,7 +1233,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
     walk = segment_states = entering = None
     walk_states_mode, occupancy, segments = walk_dispatch(key, mode, states_mode, sms,
                                                           capability)
-    parts = segment_split(key, segments, sms, mode)
+    parts = segment_split(key, segments, sms)
     if walk_states_mode is not None:
         # Split, every segment starts from a float32 state (the first from the call's own).
         split = segments > 1
@@ -1259,7 +1252,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              x_latency=walk_x_latency(mode, n_pad, occupancy, early),
                              b_latency=walk_b_latency(mode, n_pad, occupancy, split,
                                                        walk_states_mode,
-                                                       walks_four_paired(key, sms, mode)),
+                                                       walks_four_paired(key, sms)),
                              out_transposed=walk_out_transposed(
                                  mode, occupancy, shared_scores, n_pad, early, key.has_d,
                                  key.z_dtype is not None))
