@@ -497,8 +497,9 @@ def test_bf16_calls_opting_in_to_2xbf16_walk_one_block_an_sm():
     chunk 256, which such calls took before), up to dstate 256, at chunk 64 by default there,
     its state update in '3xbf16' out alone and with final states (``ssd.state_precision``), one
     block an SM (``ssd.WALK_PAIRING`` names no '2xbf16'). With both z and D (which walk only
-    paired) and with fewer pairs (no split) it keeps chunk 256; a mode walks only with the x
-    dtype WALK_MODES names for it."""
+    paired), with fewer pairs (no split: wrong at dstate 128 on the H100) and from initial
+    states (``ssd.WALK_NO_START_MODES``) it keeps chunk 256; a mode walks only with the x dtype
+    WALK_MODES names for it."""
     key = anchor_key()
     alone = replace(key, chunk_size=64, states_returned=False)
     assert ssd.default_chunk_size(_meta_problem(key), precision="2xbf16") == 64
@@ -510,10 +511,12 @@ def test_bf16_calls_opting_in_to_2xbf16_walk_one_block_an_sm():
                 "2xbf16", "3xbf16", None), (dstate, returned)
     assert ssd.make_plan(replace(alone, has_d=True), precision="2xbf16").scan_out
     for other in (replace(alone, has_d=True, z_dtype=bf16), replace(alone, batch=1, seqlen=65536),
-                  replace(alone, batch=1, nheads=ssd.SCAN_OUT_MIN_ROW_HEADS - 1)):
+                  replace(alone, batch=1, nheads=ssd.SCAN_OUT_MIN_ROW_HEADS - 1),
+                  replace(alone, start_dtype=torch.float32)):
         assert ssd.make_plan(other, precision="2xbf16").scan_out is None, other
         problem = _meta_problem(replace(other, chunk_size=256))
         assert ssd.default_chunk_size(problem, precision="2xbf16") == 256, other
+    assert ssd.make_plan(replace(alone, start_dtype=torch.float32)).scan_out is not None
     assert ssd.default_chunk_size(_meta_problem(replace(key, batch=1, seqlen=65536))) == 64
     fp16 = replace(alone, x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)
     assert ssd.make_plan(fp16, precision="3xbf16").scan_out is None
