@@ -47,8 +47,8 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     of the rule; 1.44x the error of rounding the exact output to bf16, mamba_ssm's level).
     "tf32" stays an opt-in; "2xbf16" cuts those operands into two bf16 terms (~2^-18 relative),
     with the chunk-state matmul in three ("3xbf16"): 1.17 and 1.35 ms in the same run at chunk
-    256; since bc870b4 such calls walk at chunk 64 (0.59 ms on the H100, out at bf16's own
-    rounding of the exact out; WALK_MODES).
+    256; since bc870b4 such calls walk at chunk 64 without initial states (0.59 ms on the H100,
+    out at bf16's own rounding of the exact out; WALK_MODES).
   - fp16 x: "2xfp16" by default since 2eef42b (below; it was "3xtf32"). TF32 keeps fp16's own 11
     bits, so rounding the computed operands to it costs an fp16 rounding of every *term* of an
     output, and terms can be far larger than the output they cancel to: on the H200 envelope's
@@ -324,12 +324,13 @@ WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # nothing (0.99-1.17x).
 WALK_MODES = {"input": "bfloat16", "2xbf16": "bfloat16", "2xfp16": "float16",
               "3xbf16": "float32"}
-# Modes whose walk takes no start state: such calls (initial states) take chunk 256. Split as
-# 'input''s is (from float32 entering states, an unlocalized 6f12069), the '2xbf16' walk at
-# dstate 128 returned out 7-13x bf16's rounding on the H100 (0.0116 normwise against float64 at
-# the third anchor's size, 0.0214 in four segments; right at dstate 256, 1.66e-3;
-# reports/h100/experiments/ab_p2_split_6f12069.json), so it does not split, and from a start
-# state it has not run on a GPU (tests/test_kernels_gpu.py has both, the split a strict xfail).
+# Modes whose walk takes no start state: calls with initial states take chunk 256. Split as
+# 'input''s walk is (6f12069: each segment from a float32 entering state), the '2xbf16' walk
+# returned out 7-13x bf16's rounding at dstate 128 on the H100 (0.0116 normwise against float64
+# at the third anchor's size, 0.0214 in four segments; right at dstate 256, 1.66e-3;
+# reports/h100/experiments/ab_p2_split_6f12069.json), for a cause not yet found: it does not
+# split (``walk_takes_few_pairs``) and, until a GPU runs it from a start state, takes none
+# (tests/test_kernels_gpu.py forces both plans, the split a strict xfail).
 WALK_NO_START_MODES = ("2xbf16",)
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
