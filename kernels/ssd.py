@@ -302,18 +302,19 @@ WALK_PAIRING = {"input": (128, SCAN_OUT_PAIRED_COST), "2xfp16": (64, 1.32), "3xb
 # this reach.
 WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # The modes the walk runs in, each with the x dtype it takes there (torch's name): each dtype's
-# default. Measured on the H200 against chunk 256 and the two state kernels, which such calls took
-# before: fp16 x (its '2xfp16' default) 0.41-0.77x (first anchor 1.49 -> 1.09 ms out alone), bf16 x
-# returning final states (their update in '3xbf16') 0.55-0.77x (first anchor 0.93 -> 0.56 ms), the
-# final states 4-5e-8 apart (experiments/ab_walk_modes_ebba46f.txt). float32 x ('3xbf16', 36 MMAs a
-# chunk) up to dstate 64: there 0.504-0.517x with 8 worker warps at four shapes of 128 to 512 pairs,
-# out alone and with final states (first anchor at dstate 64 3.48 -> 1.79 ms; 0.642-0.665x with the
-# compiler's 4), at dstate 32 0.377x and 16 0.357x with 4 (0.55x and 0.64x with 8); out 3-6% further
-# from float64 than chunk 256's (~1.5e-7 normwise), final states 2% nearer
-# (experiments/ab_fp32_walk_rule_b85bfdb.txt). At dstate 128 it lost: 1.38x with 8 worker warps (242
-# registers, no spill on sm_90), 1.23x with 4 (1,192 bytes spilled), 1.85x at 32 heads in 8 groups
-# (experiments/ab_fp32_walk_9b7a531.txt). On sm_90 8 worker warps at dstate 64 take 168 registers,
-# no spill (the compiler's 4: 255, none); at 32 both 168.
+# default, and bf16's opt-in '2xbf16' (below). Measured on the H200 against chunk 256 and the two
+# state kernels, which such calls took before: fp16 x (its '2xfp16' default) 0.41-0.77x (first
+# anchor 1.49 -> 1.09 ms out alone), bf16 x returning final states (their update in '3xbf16')
+# 0.55-0.77x (first anchor 0.93 -> 0.56 ms), the final states 4-5e-8 apart
+# (experiments/ab_walk_modes_ebba46f.txt). float32 x ('3xbf16', 36 MMAs a chunk) up to dstate 64:
+# there 0.504-0.517x with 8 worker warps at four shapes of 128 to 512 pairs, out alone and with
+# final states (first anchor at dstate 64 3.48 -> 1.79 ms; 0.642-0.665x with the compiler's 4), at
+# dstate 32 0.377x and 16 0.357x with 4 (0.55x and 0.64x with 8); out 3-6% further from float64
+# than chunk 256's (~1.5e-7 normwise), final states 2% nearer
+# (experiments/ab_fp32_walk_rule_b85bfdb.txt). At dstate 128 it lost: 1.38x with 8 worker warps
+# (242 registers, no spill on sm_90), 1.23x with 4 (1,192 bytes spilled), 1.85x at 32 heads in 8
+# groups (experiments/ab_fp32_walk_9b7a531.txt). On sm_90 8 worker warps at dstate 64 take 168
+# registers, no spill (the compiler's 4: 255, none); at 32 both 168.
 # bf16 x opting in to '2xbf16' (every computed operand in two bf16 terms, the state update in
 # '3xbf16') walks too, one block an SM (168 registers, no spill, 194,000 bytes at dstate 128 on
 # sm_90; 255 registers at 64, an 8-byte spill at 256): on the H100 at e33b16b 0.39-0.45x of chunk
