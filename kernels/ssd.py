@@ -47,8 +47,8 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     of the rule; 1.44x the error of rounding the exact output to bf16, mamba_ssm's level).
     "tf32" stays an opt-in; "2xbf16" cuts those operands into two bf16 terms (~2^-18 relative),
     with the chunk-state matmul in three ("3xbf16"): 1.17 and 1.35 ms in the same run at chunk
-    256; since bc870b4 such calls walk at chunk 64 without initial states (0.59 ms on the H100,
-    out at bf16's own rounding of the exact out; WALK_MODES).
+    256; since bc870b4 such calls walk at chunk 64 (0.59 ms on the H100, out at bf16's own
+    rounding of the exact out; WALK_MODES).
   - fp16 x: "2xfp16" by default since 2eef42b (below; it was "3xtf32"). TF32 keeps fp16's own 11
     bits, so rounding the computed operands to it costs an fp16 rounding of every *term* of an
     output, and terms can be far larger than the output they cancel to: on the H200 envelope's
@@ -325,14 +325,18 @@ WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # nothing (0.99-1.17x).
 WALK_MODES = {"input": "bfloat16", "2xbf16": "bfloat16", "2xfp16": "float16",
               "3xbf16": "float32"}
-# Modes whose walk takes no start state: calls with initial states take chunk 256. Split as
-# 'input''s walk is (6f12069: each segment from a float32 entering state), the '2xbf16' walk
-# returned out 7-13x bf16's rounding at dstate 128 on the H100 (0.0116 normwise against float64
-# at the third anchor's size, 0.0214 in four segments; right at dstate 256, 1.66e-3;
-# reports/h100/experiments/ab_p2_split_6f12069.json), for a cause not yet found: it does not
-# split (``walk_takes_few_pairs``) and, until a GPU runs it from a start state, takes none
-# (tests/test_kernels_gpu.py forces both plans, the split a strict xfail).
-WALK_NO_START_MODES = ("2xbf16",)
+# Modes whose walk from a start state (the call's initial states, or a segment's entering state
+# where the walk splits) computes its own scores (``walk_shares_scores``). In '2xbf16' at dstate
+# 128, one block an SM, reading the shared scores, the first chunk's out raced on the H100 at
+# 73422c9 (reports/h100/experiments/walk_start_race_73422c9.txt): 0.43 normwise against float64
+# from initial states at 2 x 2,048 x 64 heads, 1 of 6 runs bit-equal; split as 'input''s walk
+# (48 heads over 257 chunks) 0.023, only in the second segment's first chunk (6f12069's fault,
+# then unexplained). The start's load off TMA or with a latency hint raced alike; the walk's
+# own scores, out transposed or two blocks an SM were right (1.660e-3, bf16's own rounding of
+# out) and bit-equal in 6 of 6 runs, from initial states and split. Own scores took 0.484x chunk
+# 256's '2xbf16' time from initial states at the first anchor's size and 0.579x split at the
+# third's (out transposed 0.594x, 0.682x).
+WALK_OWN_SCORES_FROM_START_MODES = ("2xbf16",)
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
 # state from zero, a sum over the segments gives the state entering each one
@@ -681,11 +685,15 @@ def shares_scores(key: ProblemKey) -> bool:
 def walk_shares_scores(key: ProblemKey, mode: str, n_pad: int, occupancy: Optional[int],
                        segments: int) -> bool:
     """Whether the walk of out reads kernels/chunk_scores.py's tiles (``shares_scores``, above
-    dstate SCAN_OUT_OWN_SCORES_MAX_DSTATE) rather than computing C_c . B_c^T itself: not where
+    dstate SCAN_OUT_OWN_SCORES_MAX_DSTATE) rather than computing C_c . B_c^T itself: not in
+    WALK_OWN_SCORES_FROM_START_MODES from a start state (initial states, or split), nor where
     at most WALK_OWN_SCORES_MAX_READERS of its blocks (``walk_blocks`` per group) would read
     each tile, out alone at dstate 128 in 'input' or '2xfp16', unsplit, two blocks an SM or one
     without D and z."""
     if not shares_scores(key) or n_pad <= SCAN_OUT_OWN_SCORES_MAX_DSTATE:
+        return False
+    if mode in WALK_OWN_SCORES_FROM_START_MODES and (key.start_dtype is not None
+                                                     or segments > 1):
         return False
     few_readers = walk_blocks(key) // (key.batch * key.ngroups) <= WALK_OWN_SCORES_MAX_READERS
     return not (few_readers and n_pad == 128 and segments == 1 and not key.states_returned
@@ -848,23 +856,31 @@ def walk_blocks(key: ProblemKey) -> int:
     return key.batch * key.nheads * -(-key.headdim // p_block)
 
 
-def walk_segments(key: ProblemKey, sms: int) -> int:
-    """The segments the walk splits each sequence into: 1 from SCAN_OUT_MIN_ROW_HEADS pairs or
-    below WALK_SPLIT_MIN_CHUNKS chunks, else the most (a power of two, up to WALK_MAX_SEGMENTS)
-    whose blocks fit one round on ``sms`` SMs, one block an SM, with WALK_SEGMENT_MIN_CHUNKS
-    chunks or more each; twice as many, in one round two to an SM, where they are as long, pairs
-    times segments reach WALK_MIN_PAIRED_SPLIT_ROW_HEADS and bf16's walk pairs at the call's
-    dstate (WALK_PAIRING): from WALK_PAIRED_SEGMENTS_FROM such segments always, below only where
-    the walk would not take the call (or there is no split); four instead of two, alone or paired,
-    where ``walks_four_segments``. At headdim 64 over 65,536 tokens on 132 SMs: two segments
-    paired from 67 to 127 pairs (four from 67 to 82 with final states, alone, or out alone with
-    D, paired), two alone from 48 to 66 (four paired out alone with D), four from 34 to 47,
-    eight from 17 to 33, sixteen from 9 to 16."""
-    segments, doubled = _walk_segments_by_rounds(key, sms)
-    return 4 if segments == 2 and walks_four_segments(key, sms, doubled) else segments
+def walk_segments(key: ProblemKey, sms: int, mode: str = "input") -> int:
+    """The segments the walk in bf16's ``mode`` ('input', the default, or '2xbf16') splits each
+    sequence into: 1 from SCAN_OUT_MIN_ROW_HEADS pairs or below WALK_SPLIT_MIN_CHUNKS chunks, else
+    the most (a power of two, up to WALK_MAX_SEGMENTS) whose blocks fit one round on ``sms`` SMs,
+    one block an SM, with WALK_SEGMENT_MIN_CHUNKS chunks or more each; twice as many, in one round
+    two to an SM, where they are as long, pairs times segments reach
+    WALK_MIN_PAIRED_SPLIT_ROW_HEADS and the mode's walk pairs at the call's dstate
+    (``_pairs_up_to``): from WALK_PAIRED_SEGMENTS_FROM such segments always, below only where the
+    walk would not take the call (or there is no split); four instead of two, alone or paired,
+    where ``walks_four_segments``. At headdim 64 over 65,536 tokens on 132 SMs in 'input': two
+    segments paired from 67 to 127 pairs (four from 67 to 82 with final states, alone, or out
+    alone with D, paired), two alone from 48 to 66 (four paired out alone with D), four from 34
+    to 47, eight from 17 to 33, sixteen from 9 to 16; '2xbf16' never pairs: one segment from 67
+    pairs, two from 34 to 66, four from 17 to 33, eight from 9 to 16, sixteen below."""
+    segments, doubled = _walk_segments_by_rounds(key, sms, mode)
+    return 4 if segments == 2 and walks_four_segments(key, sms, doubled, mode) else segments
 
 
-def _walk_segments_by_rounds(key: ProblemKey, sms: int) -> tuple[int, bool]:
+def _pairs_up_to(mode: str) -> int:
+    """The most padded dstate at which the split walk in bf16's ``mode`` pairs its blocks
+    (WALK_PAIRING; 0: never)."""
+    return WALK_PAIRING.get(mode, (0, None))[0]
+
+
+def _walk_segments_by_rounds(key: ProblemKey, sms: int, mode: str) -> tuple[int, bool]:
     """``walk_segments`` before ``walks_four_segments``: (segments, whether they were doubled to
     run paired)."""
     if (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
@@ -884,12 +900,11 @@ def _walk_segments_by_rounds(key: ProblemKey, sms: int) -> tuple[int, bool]:
     else:
         doubles = (pairs * segments >= WALK_MIN_PAIRED_SPLIT_ROW_HEADS
                    and (segments == 1 or pairs * segments < WALK_MIN_SPLIT_ROW_HEADS))
-    doubled = (doubles and fits(segments, 2)
-               and next_pow2(key.dstate) <= WALK_PAIRING["input"][0])
+    doubled = doubles and fits(segments, 2) and next_pow2(key.dstate) <= _pairs_up_to(mode)
     return (2 * segments if doubled else segments), doubled
 
 
-def walks_four_segments(key: ProblemKey, sms: int, from_paired: bool) -> bool:
+def walks_four_segments(key: ProblemKey, sms: int, from_paired: bool, mode: str) -> bool:
     """Whether a call that would walk in two segments, alone in one round or (``from_paired``)
     doubled from one to run paired, walks in four instead: not with both z and D, and where the
     four segments' blocks take at most WALK_FOUR_MAX_ROUNDS rounds one block an SM (up to 82
@@ -903,25 +918,24 @@ def walks_four_segments(key: ProblemKey, sms: int, from_paired: bool) -> bool:
         return False
     if key.states_returned:
         return from_paired
-    return key.has_d and next_pow2(key.dstate) <= WALK_PAIRING["input"][0]
+    return key.has_d and next_pow2(key.dstate) <= _pairs_up_to(mode)
 
 
-def walks_four_paired(key: ProblemKey, sms: int) -> bool:
+def walks_four_paired(key: ProblemKey, sms: int, mode: str = "input") -> bool:
     """Whether out alone walks in four segments from two (``walks_four_segments``), which run
     two blocks an SM even past one paired round."""
-    segments, doubled = _walk_segments_by_rounds(key, sms)
+    segments, doubled = _walk_segments_by_rounds(key, sms, mode)
     return (not key.states_returned and segments == 2
-            and walks_four_segments(key, sms, doubled))
+            and walks_four_segments(key, sms, doubled, mode))
 
 
-def segment_split(key: ProblemKey, segments: int, sms: int) -> int:
+def segment_split(key: ProblemKey, segments: int, sms: int, mode: str = "input") -> int:
     """The parts each of the first ``segments - 1`` segments' states-only walk takes: the most
     (a power of two) whose blocks fit one round on ``sms`` SMs, two blocks an SM up to the
-    dstate at which bf16's walk pairs (WALK_PAIRING), else one; 1 unsplit."""
+    dstate at which the walk in bf16's ``mode`` pairs (``_pairs_up_to``), else one; 1 unsplit."""
     if segments == 1:
         return 1
-    max_dstate, _ = WALK_PAIRING["input"]
-    slots = sms * (2 if next_pow2(key.dstate) <= max_dstate else 1)
+    slots = sms * (2 if next_pow2(key.dstate) <= _pairs_up_to(mode) else 1)
     blocks = walk_blocks(key) * (segments - 1)
     split = 1
     while blocks * split * 2 <= slots:
@@ -1075,9 +1089,10 @@ def walk_updates_early(key: ProblemKey, mode: str, state_mode: str, segments: in
 
 def walk_takes_few_pairs(key: ProblemKey, mode: str, segments: int) -> bool:
     """Whether the walk takes a call of fewer than SCAN_OUT_MIN_ROW_HEADS (row, head) pairs in
-    ``segments`` segments: in 'input' (bf16 x), with WALK_MIN_SPLIT_ROW_HEADS pairs times
-    segments or more."""
-    return mode == "input" and key.batch * key.nheads * segments >= WALK_MIN_SPLIT_ROW_HEADS
+    ``segments`` segments: in a bf16 mode ('input' or '2xbf16', WALK_MODES), with
+    WALK_MIN_SPLIT_ROW_HEADS pairs times segments or more."""
+    return (WALK_MODES.get(mode) == "bfloat16"
+            and key.batch * key.nheads * segments >= WALK_MIN_SPLIT_ROW_HEADS)
 
 
 def walk_pairing(mode: str, capability: int) -> tuple[int, Optional[float]]:
@@ -1124,9 +1139,8 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, or fewer split in ``segments``
     (``walk_segments``) where ``walk_takes_few_pairs``, dstate up to the mode's
     ``walk_max_dstate`` on a GPU of compute ``capability`` (the state in registers), no packed
-    sequences, no start state in WALK_NO_START_MODES, not both z and D unless the walk's blocks
-    run paired (``walk_occupancy``), and no chunk states handed back. The
-    state update is in the mode ``state_precision`` gives the chunk states (out alone, 'input'
+    sequences, not both z and D unless the walk's blocks run paired (``walk_occupancy``), and no
+    chunk states handed back. The state update is in the mode ``state_precision`` gives the chunk states (out alone, 'input'
     (bf16), '2xfp16' or '3xbf16'; returning final states, their float32-grade mode), or, one
     block an SM, in the one WALK_STATE_UPDATE_MODES names for it at the call's padded dstate."""
     if not (WALK_MODES.get(mode) == str(key.x_dtype).removeprefix("torch.")
@@ -1136,7 +1150,6 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
             and next_pow2(key.dstate) <= walk_max_dstate(mode, capability)
             and key.seq_dtype is None and not key.per_seq_start and not key.varlen
             and not key.chunk_states_returned
-            and not (mode in WALK_NO_START_MODES and key.start_dtype is not None)
             and (occupancy == 2 or not (key.has_d and key.z_dtype is not None))):
         return None
     if occupancy is None:
@@ -1149,9 +1162,9 @@ def walk_dispatch(key: ProblemKey, mode: str, states_mode: str, sms: int,
     """(state update mode, occupancy hint, segments) of the walk where it takes the call on
     ``sms`` SMs of compute ``capability`` (``walk_state_precision``, ``walk_occupancy``,
     ``walk_segments``), else (None, None, 1)."""
-    segments = walk_segments(key, sms)
+    segments = walk_segments(key, sms, mode)
     occupancy = walk_occupancy(key, mode, sms, capability, segments)
-    if walks_four_paired(key, sms):
+    if walks_four_paired(key, sms, mode):
         occupancy = 2
     walk_mode = walk_state_precision(key, mode, states_mode, occupancy, segments, capability)
     return (None, None, 1) if walk_mode is None else (walk_mode, occupancy, segments)
@@ -1244,7 +1257,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
     walk = segment_states = entering = None
     walk_states_mode, occupancy, segments = walk_dispatch(key, mode, states_mode, sms,
                                                           capability)
-    parts = segment_split(key, segments, sms)
+    parts = segment_split(key, segments, sms, mode)
     if walk_states_mode is not None:
         # Split, every segment starts from a float32 state (the first from the call's own).
         split = segments > 1
@@ -1263,7 +1276,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              x_latency=walk_x_latency(mode, n_pad, occupancy, early),
                              b_latency=walk_b_latency(mode, n_pad, occupancy, split,
                                                        walk_states_mode,
-                                                       walks_four_paired(key, sms)),
+                                                       walks_four_paired(key, sms, mode)),
                              out_transposed=walk_out_transposed(
                                  mode, occupancy, shared_scores, n_pad, early, key.has_d,
                                  key.z_dtype is not None))

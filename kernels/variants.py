@@ -246,6 +246,14 @@ COVERING_KEYS = (
        f32, "2xbf16")
       for n, dstate in (("", 128), ("-n64", 64), ("-n256", 256))
       for name, returned in (("out-only", False), ("final-states", True))),
+    # ... and split as 'input' is, never paired: the third anchor's 64 heads in two segments,
+    # out alone and with final states, and at dstate 256 with D (kernels.ssd.walk_segments).
+    *((f"b1-L65536-h64-q64-2xbf16{n}-{name}-walk-segments",
+       replace(_anchor(1, 65536, 64, 1, has_d=has_d), chunk_size=64, dstate=dstate,
+               states_returned=returned), f32, "2xbf16")
+      for n, dstate, has_d, name, returned in (("", 128, False, "out-only", False),
+                                               ("", 128, False, "final-states", True),
+                                               ("-n256-d", 256, True, "out-only", False))),
     ("fp32-anchor-b8-L4096-h64-3xbf16", _anchor(8, 4096, 64, 1, x_dtype=f32, b_dtype=f32,
                                                 c_dtype=f32), f32, "3xbf16"),
     ("fp16-anchor-b8-L4096-h64-3xbf16", _anchor(8, 4096, 64, 1, x_dtype=f16, b_dtype=f16,

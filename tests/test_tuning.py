@@ -496,10 +496,14 @@ def test_bf16_calls_opting_in_to_2xbf16_walk_one_block_an_sm():
     from SCAN_OUT_MIN_ROW_HEADS (row, head) pairs (``ssd.WALK_MODES``; on the H100 0.39-0.45x of
     chunk 256, which such calls took before), up to dstate 256, at chunk 64 by default there,
     its state update in '3xbf16' out alone and with final states (``ssd.state_precision``), one
-    block an SM (``ssd.WALK_PAIRING`` names no '2xbf16'). With both z and D (which walk only
-    paired), with fewer pairs (no split: wrong at dstate 128 on the H100) and from initial
-    states (``ssd.WALK_NO_START_MODES``) it keeps chunk 256; a mode walks only with the x dtype
-    WALK_MODES names for it."""
+    block an SM (``ssd.WALK_PAIRING`` names no '2xbf16'), from initial states too, its scores
+    then its own (``ssd.walk_shares_scores``: read shared, they raced there on the H100). With
+    fewer pairs over long sequences it splits them as 'input' does, its segments never doubled
+    to pair (``ssd.walk_segments``), each from its entering state with its own scores: the
+    third anchor's 64 pairs in two, the first's end state in two parts; where the segments
+    leave it fewer than WALK_MIN_SPLIT_ROW_HEADS blocks (80 pairs, unsplit; 40 in two) and
+    with both z and D (which walk only paired) it keeps chunk 256; a mode walks only with the x
+    dtype WALK_MODES names for it."""
     key = anchor_key()
     alone = replace(key, chunk_size=64, states_returned=False)
     assert ssd.default_chunk_size(_meta_problem(key), precision="2xbf16") == 64
@@ -510,9 +514,23 @@ def test_bf16_calls_opting_in_to_2xbf16_walk_one_block_an_sm():
             assert (walk.precision, walk.state_precision, walk.occupancy) == (
                 "2xbf16", "3xbf16", None), (dstate, returned)
     assert ssd.make_plan(replace(alone, has_d=True), precision="2xbf16").scan_out
-    for other in (replace(alone, has_d=True, z_dtype=bf16), replace(alone, batch=1, seqlen=65536),
-                  replace(alone, batch=1, nheads=ssd.SCAN_OUT_MIN_ROW_HEADS - 1),
-                  replace(alone, start_dtype=torch.float32)):
+    assert ssd.make_plan(alone, precision="2xbf16").scan_out.shared_scores
+    for dstate in (128, 256):
+        started = replace(alone, dstate=dstate, start_dtype=torch.float32)
+        assert not ssd.make_plan(started, precision="2xbf16").scan_out.shared_scores, dstate
+        assert ssd.make_plan(started).scan_out.shared_scores, dstate
+    third = replace(alone, batch=1, seqlen=65536)
+    plan = ssd.make_plan(third, precision="2xbf16")
+    assert (plan.walk_segments, plan.segment_split, plan.scan_out.occupancy,
+            plan.segment_states.occupancy, plan.scan_out.precision,
+            plan.scan_out.shared_scores) == (2, 2, None, None, "2xbf16", False)
+    assert ssd.make_plan(third).scan_out.shared_scores
+    assert ssd.make_plan(third).walk_segments == 2 and ssd.make_plan(third).segment_split == 4
+    for nheads, segments in ((96, 1), (48, 2), (32, 4), (16, 8), (8, 16)):
+        plan = ssd.make_plan(replace(third, nheads=nheads), precision="2xbf16")
+        assert (plan.walk_segments, plan.scan_out.occupancy) == (segments, None), nheads
+    for other in (replace(alone, has_d=True, z_dtype=bf16), replace(third, nheads=80),
+                  replace(third, nheads=40), replace(third, seqlen=8192)):
         assert ssd.make_plan(other, precision="2xbf16").scan_out is None, other
         problem = _meta_problem(replace(other, chunk_size=256))
         assert ssd.default_chunk_size(problem, precision="2xbf16") == 256, other
