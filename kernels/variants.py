@@ -246,6 +246,11 @@ COVERING_KEYS = (
        f32, "2xbf16")
       for n, dstate in (("", 128), ("-n64", 64), ("-n256", 256))
       for name, returned in (("out-only", False), ("final-states", True))),
+    # ... from initial states, its scores its own (kernels.ssd.walk_shares_scores) ...
+    *((f"anchor-b8-L4096-h64-q64-2xbf16{n}-start-walk",
+       replace(_anchor(8, 4096, 64, 1, start_dtype=f32), chunk_size=64, dstate=dstate,
+               states_returned=False), f32, "2xbf16")
+      for n, dstate in (("", 128), ("-n256", 256))),
     # ... and split as 'input' is, never paired: the third anchor's 64 heads in two segments,
     # out alone and with final states, and at dstate 256 with D (kernels.ssd.walk_segments).
     *((f"b1-L65536-h64-q64-2xbf16{n}-{name}-walk-segments",
