@@ -565,15 +565,18 @@ def fla_contenders(problem, chunk_simple_gla) -> Iterator[Contender]:
 # ---------------------------------------------------------------- one run
 
 def sub_problem(problem, rows: int, heads: int, groups: int):
-    """The leading (rows, heads, groups) slice of a problem without packing or initial states."""
-    _plain_problem_only(problem, "error slice")
+    """The leading (rows, heads, groups) slice of a problem without packing (its initial states,
+    one per row, sliced alike)."""
     p = problem
+    if p.seq_idx is not None or p.cu_seqlens is not None:
+        _plain_problem_only(p, "error slice")
     cut = lambda t, *index: None if t is None else t[index]  # noqa: E731
     return p.with_tensors(x=p.x[:rows, :, :heads], dt=p.dt[:rows, :, :heads], A=p.A[:heads],
                           B=p.B[:rows, :, :groups], C=p.C[:rows, :, :groups],
                           D=cut(p.D, slice(0, heads)), z=cut(p.z, slice(0, rows), slice(None),
                                                                 slice(0, heads)),
-                          dt_bias=cut(p.dt_bias, slice(0, heads)))
+                          dt_bias=cut(p.dt_bias, slice(0, heads)),
+                          initial_states=cut(p.initial_states, slice(0, rows), slice(0, heads)))
 
 
 def reference_out(problem, rows: int, heads: int, groups: int) -> torch.Tensor:

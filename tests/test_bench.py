@@ -140,11 +140,12 @@ def test_error_slices_of_the_anchors():
     (dataclasses.replace(SMALL, nheads=8, ngroups=4), 48 * 5, (1, 4, 2)),           # whole groups
     (dataclasses.replace(SMALL, nheads=8, ngroups=1), 48 * 3, (1, 3, 1)),           # part of one
 ])
-def test_error_slice_is_a_problem_of_its_own(monkeypatch, spec, limit, expected):
+@pytest.mark.parametrize("start", [False, True])
+def test_error_slice_is_a_problem_of_its_own(monkeypatch, spec, limit, expected, start):
     monkeypatch.setattr(bench, "ERROR_MAX_ROW_HEADS", limit)
     assert bench.error_slice(spec) == expected
     problem = build_problem(dataclasses.replace(spec, D="channel", z=True, dt_bias=True,
-                                                dt_softplus=True))
+                                                dt_softplus=True, initial_states=start))
     rows, heads, groups = expected
     whole = chunked_ssd(problem, compute_dtype=torch.float64, state_dtype=torch.float64,
                         out_dtype=torch.float64).out
