@@ -1140,9 +1140,10 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     (``walk_segments``) where ``walk_takes_few_pairs``, dstate up to the mode's
     ``walk_max_dstate`` on a GPU of compute ``capability`` (the state in registers), no packed
     sequences, not both z and D unless the walk's blocks run paired (``walk_occupancy``), and no
-    chunk states handed back. The state update is in the mode ``state_precision`` gives the chunk states (out alone, 'input'
-    (bf16), '2xfp16' or '3xbf16'; returning final states, their float32-grade mode), or, one
-    block an SM, in the one WALK_STATE_UPDATE_MODES names for it at the call's padded dstate."""
+    chunk states handed back. The state update is in the mode ``state_precision`` gives the
+    chunk states (out alone, 'input' (bf16), '2xfp16' or '3xbf16'; returning final states, their
+    float32-grade mode), or, one block an SM, in the one WALK_STATE_UPDATE_MODES names for it at
+    the call's padded dstate."""
     if not (WALK_MODES.get(mode) == str(key.x_dtype).removeprefix("torch.")
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
