@@ -335,7 +335,8 @@ WALK_MODES = {"input": "bfloat16", "2xbf16": "bfloat16", "2xfp16": "float16",
 # own scores, out transposed or two blocks an SM were right (1.660e-3, bf16's own rounding of
 # out) and bit-equal in 6 of 6 runs, from initial states and split. Own scores took 0.484x chunk
 # 256's '2xbf16' time from initial states at the first anchor's size and 0.579x split at the
-# third's (out transposed 0.594x, 0.682x).
+# third's (out transposed 0.594x, 0.682x). The rule holds at every dstate the walk would read
+# shared scores at, 256 too, where 6f12069's split was right (own scores there not yet timed).
 WALK_OWN_SCORES_FROM_START_MODES = ("2xbf16",)
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end

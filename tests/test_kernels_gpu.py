@@ -939,11 +939,11 @@ def test_the_walk_in_2xbf16_passes_the_rule_nearer_float64_than_input(
     of 64 heads, out alone and with final states, z or D, dstate 64 to 256, a chunk's part last,
     from initial states or not; 48 heads over 257 chunks in two segments
     (``ssd.walk_segments``), the first's end state in two parts, at dstate 128 and 256. Held to
-    the rule against float64; out's normwise error
-    below 0.85x that of the default walk in 'input' on the same inputs, and within 1.1x that of
-    chunk 256's '2xbf16' (the path such calls took before): every computed operand reaches its
-    MMA in two bf16 terms (the CPU model at 1 x 2,048 x 4 heads: 1.66e-3 against 'input''s
-    2.50e-3, bf16's own rounding of out 1.66e-3)."""
+    the rule against float64; out's normwise error below 0.85x that of the default walk in
+    'input' on the same inputs, and within 1.1x that of chunk 256's '2xbf16' (the path such
+    calls took before): every computed operand reaches its MMA in two bf16 terms (the CPU model
+    at 1 x 2,048 x 4 heads: 1.66e-3 against 'input''s 2.50e-3, bf16's own rounding of out
+    1.66e-3)."""
     from dataclasses import replace
     spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=dstate,
                        chunk_size=64, x_dtype="bf16", bc_dtype="bf16", z=z, D=d,
