@@ -250,6 +250,21 @@ def test_one_case_end_to_end_with_stand_ins(monkeypatch):
     json.dumps(record)      # the record is JSON as it stands
 
 
+def test_a_case_from_initial_states_is_held_to_the_float64_out_from_them(monkeypatch):
+    case = ab.parse_case("2,128,8,16,16,2 initial_states=true", 64)
+    plan = _plan()
+    monkeypatch.setattr(ssd, "stage_pipeline",
+                        lambda problem, varlen: _StandInPipeline(problem, plan))
+    monkeypatch.setattr(ssd, "launch_stages", _stand_in_launch)
+    monkeypatch.setattr(bench, "CudaTimer", _CountingTimer)
+    record = ab.run_case(case, [ab.parse_arm("pair scan_out.occupancy=2")], rounds=1, reps=1,
+                         device="cpu")
+    # The stand-in is the reference from the same initial states, its out in bf16: bf16's
+    # rounding (~1.7e-3), not the error of an out held to the float64 out without them.
+    errors = [record["arms"][name]["error"]["normwise_rel"] for name in ("dispatched", "pair")]
+    assert errors[0] == errors[1] < 2.5e-3, errors
+
+
 def test_a_chunk_size_arm_times_the_call_replanned_on_the_same_tensors(monkeypatch):
     case = ab.parse_case("2,300,8,16,16,2 z=true D=channel", 64)
     plan = _plan()
