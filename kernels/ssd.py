@@ -336,7 +336,9 @@ WALK_MODES = {"input": "bfloat16", "2xbf16": "bfloat16", "2xfp16": "float16",
 # out) and bit-equal in 6 of 6 runs, from initial states and split. Own scores took 0.484x chunk
 # 256's '2xbf16' time from initial states at the first anchor's size and 0.579x split at the
 # third's (out transposed 0.594x, 0.682x). The rule holds at every dstate the walk would read
-# shared scores at, 256 too, where 6f12069's split was right (own scores there not yet timed).
+# shared scores at, 256 too, where 6f12069's split was right; own scores there took 0.412x chunk
+# 256's time from initial states at 2 x 8,192 x 64 heads (H100 at 02fdbf4,
+# reports/h100/experiments/ab_p2_n256_start_02fdbf4.json).
 WALK_OWN_SCORES_FROM_START_MODES = ("2xbf16",)
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end

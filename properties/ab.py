@@ -149,8 +149,10 @@ def coerce(option: str, owner: str, field: str, hint, value: Any) -> Any:
     # bool is an int to isinstance; a knob's 1 and true are not interchangeable here.
     if isinstance(value, bool) != (bool in allowed) or not isinstance(value, allowed):
         names = " or ".join("None" if a is type(None) else getattr(a, "__name__", str(a))
-                            for a in allowed)
-        raise ValueError(f"{option}: {owner}.{field} expected {names}, got {value!r}")
+                            for a in allowed if a is not list)
+        # values are JSON, which has no '(a,b)': a tuple is written as a list
+        form = " (written as a JSON list, e.g. [128,1.5])" if tuple in allowed else ""
+        raise ValueError(f"{option}: {owner}.{field} expected {names}{form}, got {value!r}")
     return value
 
 

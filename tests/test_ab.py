@@ -100,7 +100,9 @@ def test_an_arm_may_replan_the_call_in_another_mode():
     ("w ssd.WALK_MIN_SPLIT_ROW_HEADS.x=1", "takes no '.<key>'"),
     ("w ssd.WALK_MIN_SPLIT_ROW_HEADS=1.5", "ssd.WALK_MIN_SPLIT_ROW_HEADS expected int, got 1.5"),
     ("w ssd.WALK_X_LATENCY=true", "ssd.WALK_X_LATENCY expected int, got True"),
-    ("w ssd.WALK_PAIRING.input=64", "ssd.WALK_PAIRING.input expected tuple, got 64"),
+    ("w ssd.WALK_PAIRING.input=64", "ssd.WALK_PAIRING.input expected tuple (written as a JSON "
+                                    "list, e.g. [128,1.5]), got 64"),
+    ("w ssd.WALK_PAIRING.2xbf16=(128,1.7)", "expected tuple (written as a JSON list"),
     ("w ssd.TUNED.x={}", "ssd.TUNED.x is a dict: expected a constant that is a number"),
 ])
 def test_a_bad_arm_is_refused_naming_what_was_expected(text, named):
