@@ -25,7 +25,7 @@ promises tensor cores has every MMA on them, and the MMA kernels move every tile
 element by TMA (the 64-bit-indexed variants excepted: a TMA descriptor cannot encode their
 extents). The base address is taken as 16-byte aligned, as torch allocates; a view at an odd
 offset launches another specialization than CI compiles. Each compile also reports a thread's
-registers and spilled bytes and a block's shared memory, read from the cubin
+registers and spilled bytes, a block's shared memory and its threads, read from the cubin
 (``kernel_resources``).
 
     python3 -m kernels.variants [--target sm_90 ...] [--jobs 2] [--list] [--out DIR]
@@ -71,6 +71,9 @@ MAX_BLOCK_SHARED_BYTES = {"sm_80": 163 * 1024, "sm_90": 227 * 1024, "sm_100": 22
 RESERVED_BLOCK_SHARED_BYTES = 1024
 SM_SHARED_BYTES = {target: most + RESERVED_BLOCK_SHARED_BYTES
                    for target, most in MAX_BLOCK_SHARED_BYTES.items()}
+# An SM's 32-bit registers and resident threads on 8.0, 9.0 and 10.0 (the same table); registers
+# go to a warp in units of 256, so a thread's count rounds up to a multiple of 8.
+SM_REGISTERS, SM_THREADS, REGISTER_UNIT = 65536, 2048, 256
 REMARK_TARGET = "sm_90"
 # cuTile's compile flags for a kernel with default options (cuda/tile/_compile.py: compile_cubin).
 TILEIRAS_FLAGS = ("-O3", "--lineinfo")
@@ -438,6 +441,7 @@ class CompileResult:
     registers: int = 0          # a thread's registers (kernel_resources)
     spill_bytes: int = 0        # a thread's local-memory frame: registers spilled
     shared_bytes: int = 0       # a block's shared memory (kernel_resources)
+    threads: int = 0            # a block's threads (kernel_resources; 0: not read)
     error: str = ""
 
 
@@ -504,13 +508,16 @@ def code_digest(cubin: bytes) -> str:
 # .nv.info attributes (each: format byte, attribute byte, then by format a 2-byte value or a
 # 2-byte size and that many bytes): the kernel's register count and its local-memory frame, which
 # holds what did not fit in them (no recursion or local arrays in these kernels). Per kernel
-# they are (symbol index, value) pairs of 4 bytes each.
-_INFO_SIZED, _REGCOUNT, _FRAME_SIZE = 0x04, 0x2F, 0x11
+# they are (symbol index, value) pairs of 4 bytes each; the block's extents the kernel requires
+# (x, y, z, 4 bytes each) stand in its own .nv.info.<kernel> section.
+_INFO_SIZED, _REGCOUNT, _FRAME_SIZE, _REQNTID = 0x04, 0x2F, 0x11, 0x10
 
 
-def kernel_resources(cubin: bytes) -> tuple[int, int, int]:
+def kernel_resources(cubin: bytes) -> tuple[int, int, int, int]:
     """(registers, spill bytes) of a thread of the cubin's kernel, from its .nv.info attributes,
-    and a block's shared memory (the .nv.shared sections). Shared memory, not registers, keeps
+    a block's shared memory (the .nv.shared sections) and its threads (0 where the cubin names
+    none; tileiras picks them: 256 for the first anchor's walk paired, 128 for '2xbf16''s split
+    walk forced to pair at 16 pairs over 65,536 tokens). Shared memory, not registers, keeps
     kernels/scan_out.py's walk to one block per SM on sm_90 without the occupancy hint (212,520
     bytes at the first anchor; 93,600 with occupancy=2, which kernels/ssd.py sets where two
     blocks an SM pay).
@@ -531,10 +538,13 @@ def kernel_resources(cubin: bytes) -> tuple[int, int, int]:
             if form == _INFO_SIZED:
                 if attribute in (_REGCOUNT, _FRAME_SIZE) and length >= 8:
                     found[attribute] = struct.unpack_from("<I", cubin, i + 8)[0]
+                elif attribute == _REQNTID and length == 12:
+                    x, y, z = struct.unpack_from("<III", cubin, i + 4)
+                    found[attribute] = x * y * z
                 i += 4 + length
             else:
                 i += 4
-    return found.get(_REGCOUNT, 0), found.get(_FRAME_SIZE, 0), shared
+    return found.get(_REGCOUNT, 0), found.get(_FRAME_SIZE, 0), shared, found.get(_REQNTID, 0)
 
 
 def _write_bytecode(variant: Variant, directory: str) -> str:
@@ -610,7 +620,8 @@ def _run_tileiras(source: str, result: CompileResult, cubin_dir: str) -> None:
         with open(cubin, "rb") as f:
             machine_code = f.read()
         result.code_digest = code_digest(machine_code)
-        result.registers, result.spill_bytes, result.shared_bytes = kernel_resources(machine_code)
+        (result.registers, result.spill_bytes, result.shared_bytes,
+         result.threads) = kernel_resources(machine_code)
         if result.target == REMARK_TARGET:
             remarks = run.stdout + run.stderr
             result.tensor_core_mmas, result.fma_mmas = mma_remarks(remarks)
@@ -709,17 +720,34 @@ def violations(variant: Variant, result: CompileResult) -> list[str]:
 def occupancy_shortfall(variant: Variant, result: CompileResult) -> str:
     """Why an SM of the target cannot hold the blocks the variant's occupancy hint asks for
     ('' where it can): a block's shared memory plus the 1 KB CUDA reserves, times the blocks,
-    past the SM's: on sm_90 two blocks an SM need 115,712 bytes or less each, not the 116,224 of
-    half a block's most (tests/test_compile.py lists the variants found past it)."""
+    past the SM's (on sm_90 two blocks an SM need 115,712 bytes or less each, not the 116,224 of
+    half a block's most), or, where the cubin names its block's threads, their registers
+    (rounded up to REGISTER_UNIT a warp) or the threads themselves past the SM's
+    (tests/test_compile.py lists the variants found past either)."""
     asked = getattr(variant.config, "occupancy", None)
-    if not (result.ok and asked and result.shared_bytes):
+    if not (result.ok and asked):
         return ""
-    held = SM_SHARED_BYTES[result.target] // (result.shared_bytes + RESERVED_BLOCK_SHARED_BYTES)
-    if held >= asked:
+    limits = []
+    if result.shared_bytes:
+        block = result.shared_bytes + RESERVED_BLOCK_SHARED_BYTES
+        limits.append((SM_SHARED_BYTES[result.target] // block,
+                       f"{result.shared_bytes:,} bytes of shared memory a block (+ "
+                       f"{RESERVED_BLOCK_SHARED_BYTES:,} reserved) against the SM's "
+                       f"{SM_SHARED_BYTES[result.target]:,}"))
+    if result.threads and result.registers:
+        warp = -(-result.registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+        block = warp * -(-result.threads // 32)
+        limits.append((SM_REGISTERS // block,
+                       f"{result.registers} registers a thread, {block:,} a block of "
+                       f"{result.threads} threads, against the SM's {SM_REGISTERS:,}"))
+    if result.threads:
+        limits.append((SM_THREADS // result.threads,
+                       f"{result.threads} threads a block against the SM's {SM_THREADS:,}"))
+    short = [(held, why) for held, why in limits if held < asked]
+    if not short:
         return ""
-    return (f"occupancy {asked} asked, {held} held: {result.shared_bytes:,} bytes of shared "
-            f"memory a block (+ {RESERVED_BLOCK_SHARED_BYTES:,} reserved) against the SM's "
-            f"{SM_SHARED_BYTES[result.target]:,}")
+    held, why = min(short, key=lambda limit: limit[0])
+    return f"occupancy {asked} asked, {held} held: {why}"
 
 
 def main(argv=None) -> int:
@@ -751,7 +779,7 @@ def main(argv=None) -> int:
         tc = f" tc={r.tensor_core_mmas}" if r.target == REMARK_TARGET else ""
         spills = f" spill={r.spill_bytes}B" if r.spill_bytes else ""
         print(f"{status:4s} {r.target} {r.seconds:5.1f}s regs={r.registers}{spills} "
-              f"smem={r.shared_bytes / 1024:.1f}KB{tc} {r.variant}")
+              f"smem={r.shared_bytes / 1024:.1f}KB threads={r.threads}{tc} {r.variant}")
         for p in problems:
             print("     " + p.replace("\n", "\n     "))
         if shortfall := occupancy_shortfall(variants[r.variant, r.target], r):

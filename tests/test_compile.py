@@ -55,8 +55,11 @@ def test_variant_compiles(compiled, variant, target):
 
 
 # The variants an SM cannot hold as many of as their occupancy hint asks (shared memory and the
-# 1 KB CUDA reserves a block: kernels.variants.occupancy_shortfall), with tileiras 13.4; they run
-# fewer blocks an SM than the plan's tuning assumed. On sm_90, the H200's target: chunk_state
+# 1 KB CUDA reserves a block, or a block's registers or threads: kernels.variants.
+# occupancy_shortfall), with tileiras 13.4; they run fewer blocks an SM than the plan's tuning
+# assumed. Registers hold them all on sm_80 and sm_90; on sm_100 float32's chunk_state in
+# '3xbf16' asks two and takes 255 registers for each of 256 threads, a whole SM's 65,536, where
+# sm_90 fits it in 128 (found at session 78's change). On sm_90, the H200's target: chunk_state
 # at chunk 256 and the split walk's states-only walk out alone (the third anchor's), two
 # asked, one held, at 115,928 to 115,960 bytes a block, where two need 115,712 or less. Their
 # load-latency hints take them under it (chunk_state's latency 1 or 3, segment_states's
@@ -80,6 +83,7 @@ KNOWN_OCCUPANCY_SHORTFALLS = {
     ),
     "sm_100": (
         "chunk_state[fp16-anchor-b8-L4096-h64-2xfp16-out-only]",
+        "chunk_state[fp32-anchor-b8-L4096-h64-3xbf16]",
         "chunk_state[fp16-anchor-b8-L4096-h64-2xfp16]",
         "compute_out[anchor-b2-L4096-h64-q64-out-only-fused-z-d-per-channel]",
         "compute_out[anchor-b4-L8192-h32-g8-q128-out-only-fused]",
@@ -114,6 +118,27 @@ def test_occupancy_shortfall_counts_the_reserved_kilobyte_of_each_block():
     assert occupancy_shortfall(variant, result("sm_80", 82_945)) != ""
     unhinted = next(v for v in VARIANTS if getattr(v.config, "occupancy", 1) is None)
     assert occupancy_shortfall(unhinted, result("sm_90", 200_000)) == ""
+
+
+def test_occupancy_shortfall_counts_a_blocks_registers_and_threads():
+    """An SM's 65,536 registers hold two blocks of 256 threads at 128 registers a thread, not at
+    129 (rounded up to 136 by the warp's unit of 256: 34,816 a block), and two of 128 threads at
+    245 (248: 31,744); its 2,048 threads hold two blocks of 1,024, not three. A cubin that names
+    no block size (threads 0) is judged by its shared memory alone."""
+    paired = next(v for v in VARIANTS if getattr(v.config, "occupancy", None) == 2)
+    three = next(v for v in VARIANTS if getattr(v.config, "occupancy", None) == 3)
+
+    def result(registers, threads):
+        return CompileResult(paired.name, "sm_90", ok=True, seconds=0.0, registers=registers,
+                             shared_bytes=50_000, threads=threads)
+    assert occupancy_shortfall(paired, result(128, 256)) == ""
+    assert occupancy_shortfall(paired, result(129, 256)) == (
+        "occupancy 2 asked, 1 held: 129 registers a thread, 34,816 a block of 256 threads, "
+        "against the SM's 65,536")
+    assert occupancy_shortfall(paired, result(245, 128)) == ""
+    assert occupancy_shortfall(paired, result(255, 0)) == ""
+    assert occupancy_shortfall(three, result(8, 1024)) == (
+        "occupancy 3 asked, 2 held: 1024 threads a block against the SM's 2,048")
 
 
 # tileiras 13.4 crashes (SIGILL, no message) compiling scores kernels for sm_100 in '3xtf32'
