@@ -22,8 +22,9 @@ within one ulp (libm's; the GPU's ex2.approx is within about two) is as sound as
 a large carried state that ulp alone moves the result by several of its ulps: on the pinned case
 large-initial-state-mixed-dtypes (initial states of 4000, final states up to 17) the reference's
 final_states error was 1.4e-6 on the H200 and 7.0e-6 on the CPU, and on the CPU with every decay
-one ulp up 3.2e-6, one ulp down 1.1e-5. One evaluation's rounding pattern is a sample, not the
-conditioning; the worst of the three bounds the spread that the decays' last bit makes.
+one ulp up 3.2e-6, one ulp down 1.1e-5 (on an AVX2 AMD EPYC with torch 2.13.0: 8.9e-6, 5.1e-6
+and 1.08e-5, its vector code rounding otherwise). One evaluation's rounding pattern is a sample,
+not the conditioning; the worst of the three bounds the spread that the decays' last bit makes.
 
 The fourth evaluation sums S in float64 from the float32 steps and rounds each S once, as the
 kernels' hi + lo scan does (and torch's CPU cumsum, whose accumulator is float64); torch's CUDA

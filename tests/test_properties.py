@@ -700,7 +700,10 @@ def test_regressions_file_is_well_formed():
 
 def test_baseline_is_the_worst_of_the_reference_evaluations():
     """The pinned case whose fp32 reference error varies most with the decays' last bit: the
-    rule's baseline takes the worst evaluation per stage, above the plain reference's."""
+    rule's baseline takes the worst evaluation per stage, above the plain reference's, and the
+    evaluations' final_states errors spread by more than 1.4x. How the plain one falls within
+    that spread is the CPU's: 7.0e-6 between 3.2e-6 and 1.1e-5 where this was pinned, 8.9e-6
+    between 5.1e-6 and 1.08e-5 on an AVX2 AMD EPYC (torch 2.13.0; properties/tolerances.py)."""
     case = next(c for c in REGRESSIONS if c["name"] == "large-initial-state-mixed-dtypes")
     problem = build_problem(ProblemSpec.from_dict(case["recipe"]))
     exact = check.exact_stages(problem)
@@ -709,7 +712,9 @@ def test_baseline_is_the_worst_of_the_reference_evaluations():
     baseline = check.baseline_errors(problem, exact)
     for stage, metrics in baseline.items():
         assert metrics["max_abs"] == max(run[stage]["max_abs"] for run in runs)
-    assert baseline["final_states"]["max_abs"] > 1.4 * runs[0]["final_states"]["max_abs"]
+    finals = [run["final_states"]["max_abs"] for run in runs]
+    assert max(finals) > 1.4 * min(finals)
+    assert baseline["final_states"]["max_abs"] > runs[0]["final_states"]["max_abs"]
 
 
 def test_gpu_profile_runs_each_property_once_per_dtype_mix():
