@@ -739,10 +739,10 @@ def occupancy_shortfall(variant: Variant, result: CompileResult) -> str:
         block = warp * -(-result.threads // 32)
         limits.append((SM_REGISTERS // block,
                        f"{result.registers} registers a thread, {block:,} a block of "
-                       f"{result.threads} threads, against the SM's {SM_REGISTERS:,}"))
+                       f"{result.threads:,} threads, against the SM's {SM_REGISTERS:,}"))
     if result.threads:
         limits.append((SM_THREADS // result.threads,
-                       f"{result.threads} threads a block against the SM's {SM_THREADS:,}"))
+                       f"{result.threads:,} threads a block against the SM's {SM_THREADS:,}"))
     short = [(held, why) for held, why in limits if held < asked]
     if not short:
         return ""

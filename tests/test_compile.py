@@ -59,10 +59,10 @@ def test_variant_compiles(compiled, variant, target):
 # occupancy_shortfall), with tileiras 13.4; they run fewer blocks an SM than the plan's tuning
 # assumed. Registers hold them all on sm_80 and sm_90; on sm_100 float32's chunk_state in
 # '3xbf16' asks two and takes 255 registers for each of 256 threads, a whole SM's 65,536, where
-# sm_90 fits it in 128 (found at session 78's change). On sm_90, the H200's target: chunk_state
-# at chunk 256 and the split walk's states-only walk out alone (the third anchor's), two
-# asked, one held, at 115,928 to 115,960 bytes a block, where two need 115,712 or less. Their
-# load-latency hints take them under it (chunk_state's latency 1 or 3, segment_states's
+# sm_90 fits it in 128 (found when this check began to count registers). On sm_90, the H200's
+# target: chunk_state at chunk 256 and the split walk's states-only walk out alone (the third
+# anchor's), two asked, one held, at 115,928 to 115,960 bytes a block, where two need 115,712 or
+# less. Their load-latency hints take them under it (chunk_state's latency 1 or 3, segment_states's
 # b_latency 10) but gave no time back on the H100 at 96fe790 (0.987-1.046x;
 # reports/h100/experiments/ab_cs_96fe790.json, ab_ss_96fe790.json), so they stay. A compile
 # that adds or drops one fails the test: then update this list and say why.
@@ -83,8 +83,8 @@ KNOWN_OCCUPANCY_SHORTFALLS = {
     ),
     "sm_100": (
         "chunk_state[fp16-anchor-b8-L4096-h64-2xfp16-out-only]",
-        "chunk_state[fp32-anchor-b8-L4096-h64-3xbf16]",
         "chunk_state[fp16-anchor-b8-L4096-h64-2xfp16]",
+        "chunk_state[fp32-anchor-b8-L4096-h64-3xbf16]",
         "compute_out[anchor-b2-L4096-h64-q64-out-only-fused-z-d-per-channel]",
         "compute_out[anchor-b4-L8192-h32-g8-q128-out-only-fused]",
         "compute_out[anchor-b4-L8192-h32-g8]",
@@ -138,7 +138,7 @@ def test_occupancy_shortfall_counts_a_blocks_registers_and_threads():
     assert occupancy_shortfall(paired, result(245, 128)) == ""
     assert occupancy_shortfall(paired, result(255, 0)) == ""
     assert occupancy_shortfall(three, result(8, 1024)) == (
-        "occupancy 3 asked, 2 held: 1024 threads a block against the SM's 2,048")
+        "occupancy 3 asked, 2 held: 1,024 threads a block against the SM's 2,048")
 
 
 # tileiras 13.4 crashes (SIGILL, no message) compiling scores kernels for sm_100 in '3xtf32'
