@@ -426,11 +426,9 @@ def _peer_version(dist: str, module) -> str:
                 or f"(no version metadata; {module.__path__[0]})")
 
 
-def _plain_problem_only(problem, who: str) -> None:
-    p = problem
-    used = [name for name, value in (("initial_states", p.initial_states),
-                                     ("seq_idx", p.seq_idx), ("cu_seqlens", p.cu_seqlens))
-            if value is not None]
+def _plain_problem_only(problem, who: str,
+                        refused: tuple = ("initial_states", "seq_idx", "cu_seqlens")) -> None:
+    used = [name for name in refused if getattr(problem, name) is not None]
     if used:
         raise ValueError(f"{who}: expected a problem without {', '.join(used)} (the benchmark's "
                          f"shapes have none), got one with them")
@@ -567,9 +565,8 @@ def fla_contenders(problem, chunk_simple_gla) -> Iterator[Contender]:
 def sub_problem(problem, rows: int, heads: int, groups: int):
     """The leading (rows, heads, groups) slice of a problem without packing (its initial states,
     one per row, sliced alike)."""
+    _plain_problem_only(problem, "error slice", refused=("seq_idx", "cu_seqlens"))
     p = problem
-    if p.seq_idx is not None or p.cu_seqlens is not None:
-        _plain_problem_only(p, "error slice")
     cut = lambda t, *index: None if t is None else t[index]  # noqa: E731
     return p.with_tensors(x=p.x[:rows, :, :heads], dt=p.dt[:rows, :, :heads], A=p.A[:heads],
                           B=p.B[:rows, :, :groups], C=p.C[:rows, :, :groups],
