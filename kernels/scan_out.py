@@ -36,9 +36,10 @@ against 6), alone 168 registers, no spill, 177,632 bytes of shared memory. fp16 
 12 MMAs; float32 x in '3xbf16' up to dstate 64, 36 MMAs. On the H200 all three beat the
 chunk-256 path those calls took before (0.36-0.77x; kernels/ssd.py, at WALK_MODES, has the
 figures). Their blocks too run two to an SM where that pays, fp16's up to dstate 64 (128 on
-sm_90, out transposed there: ``kernels.ssd.WALK_PAIRING_SM90``), float32's up to 32
-(``kernels.ssd.WALK_PAIRING``); one an SM, fp16's at dstate 64 updates its state in
-'3xfp16' (``kernels.ssd.WALK_STATE_UPDATE_MODES``: two terms spill 400 bytes there on sm_90).
+sm_90, out transposed there: ``kernels.ssd.WALK_PAIRING_SM90``), float32's up to 32 and
+bf16's opt-in '2xbf16' up to 128 unsplit (``kernels.ssd.WALK_PAIRING``); one an SM, fp16's
+at dstate 64 updates its state in '3xfp16' (``kernels.ssd.WALK_STATE_UPDATE_MODES``: two terms
+spill 400 bytes there on sm_90).
 
 Step order (``update_early``): on sm_90 the compiler gives the walk a producer warp that issues
 each step's TMA loads in program order, each load behind the release of its single buffer by

@@ -280,7 +280,23 @@ SCAN_OUT_PAIRED_COST = 1.68
 # Outs bit-equal paired and alone. On sm_90 with the hint 2 fp16's dstate-64 walk takes 128
 # registers, 8 bytes spilled, 70,248 bytes of shared memory; float32's dstate-32 walk 128
 # registers, no spill, 113,272 bytes; fp16's dstate-128 walk 253 registers, 95,024 bytes.
-WALK_PAIRING = {"input": (128, SCAN_OUT_PAIRED_COST), "2xfp16": (64, 1.32), "3xbf16": (32, 1.64)}
+# bf16's opt-in '2xbf16' up to dstate 128, on the H100 against one block an SM (ab_p2_p2o2*
+# _02fdbf4.json, ab_p2_pp_*_74e38a2.json under reports/h100/experiments/): at dstate 128 0.871x
+# at 512 and 1,024 blocks, 0.874x at 192, 0.825x from initial states, 0.827x with final states
+# too, 1.127x at 384 (cost ~1.72 a paired round); at 64 0.779x and at 32 0.660x (512 blocks);
+# with both z and D, which only a paired walk takes, 0.417x and 0.406x chunk 256's '2xbf16' (D
+# per head and per channel). Outs' errors equal paired and alone (1.66e-3 normwise). On sm_90
+# its block takes 128 registers, no spill, 109,976 bytes at dstate 128 (109,224 with z and D;
+# 16 bytes spilled from initial states with final states), 128 at 64 (255 alone).
+WALK_PAIRING = {"input": (128, SCAN_OUT_PAIRED_COST), "2xfp16": (64, 1.32), "3xbf16": (32, 1.64),
+                "2xbf16": (128, 1.72)}
+# The most padded dstate at which the split walk (``walk_segments``) pairs its blocks, by bf16
+# mode (``_pairs_up_to``); elsewhere it runs one block an SM. '2xbf16' does not pair split: on
+# the H100 at 74e38a2 its segments doubled to run paired took 1.10-1.14x the time of as many
+# alone (8 to 32 pairs over 32,768 and 65,536 tokens, with final states too) and 1.63x from two
+# to four paired with D per head at the third anchor's size; the third anchor's states-only walk
+# in four paired parts 0.967x its two alone (reports/h100/experiments/ab_p2_pp_walk_74e38a2.json).
+WALK_SPLIT_PAIRING = {"input": WALK_PAIRING["input"][0]}
 # On compute capability 9.x fp16's walk pairs up to dstate 128 too, there computing out transposed
 # (``walk_out_transposed``): on sm_90 its block then takes 128 registers, no spill, 93,384 bytes of
 # shared memory (in out's orientation 252 and 95,024, which lost paired at 50fd6c2 above). On the
@@ -317,8 +333,9 @@ WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # registers, no spill (the compiler's 4: 255, none); at 32 both 168.
 # bf16 x opting in to '2xbf16' (every computed operand in two bf16 terms, the state update in
 # '3xbf16') walks too, one block an SM (168 registers, no spill, 194,000 bytes at dstate 128 on
-# sm_90; 255 registers at 64, an 8-byte spill at 256): on the H100 at e33b16b 0.39-0.45x of chunk
-# 256's '2xbf16', which such calls took before (first anchor 1.49 -> 0.59 ms; 1.69x the default's
+# sm_90; 255 registers at 64, an 8-byte spill at 256), unsplit two where that pays
+# (WALK_PAIRING): on the H100 at e33b16b one an SM took 0.39-0.45x the time of chunk 256's
+# '2xbf16', which such calls took before (first anchor 1.49 -> 0.59 ms; 1.69x the default's
 # 0.35 ms in 'input'), out alone and with final states, dstate 64 to 256 (256: 0.40-0.41x,
 # ab_p2_n256_bc870b4.json), out as far from float64 as there (1.66e-3 normwise; 'input' 2.46e-3;
 # reports/h100/experiments/ab_p2_p2s_c256_e33b16b.json). Its state update in '2xbf16' saved
@@ -871,16 +888,17 @@ def walk_segments(key: ProblemKey, sms: int, mode: str = "input") -> int:
     where ``walks_four_segments``. At headdim 64 over 65,536 tokens on 132 SMs in 'input': two
     segments paired from 67 to 127 pairs (four from 67 to 82 with final states, alone, or out
     alone with D, paired), two alone from 48 to 66 (four paired out alone with D), four from 34
-    to 47, eight from 17 to 33, sixteen from 9 to 16; '2xbf16' never pairs: one segment from 67
-    pairs, two from 34 to 66, four from 17 to 33, eight from 9 to 16, sixteen below."""
+    to 47, eight from 17 to 33, sixteen from 9 to 16; '2xbf16' never pairs split
+    (WALK_SPLIT_PAIRING): one segment from 67 pairs, two from 34 to 66, four from 17 to 33, eight
+    from 9 to 16, sixteen below."""
     segments, doubled = _walk_segments_by_rounds(key, sms, mode)
     return 4 if segments == 2 and walks_four_segments(key, sms, doubled, mode) else segments
 
 
 def _pairs_up_to(mode: str) -> int:
     """The most padded dstate at which the split walk in bf16's ``mode`` pairs its blocks
-    (WALK_PAIRING; 0: never)."""
-    return WALK_PAIRING.get(mode, (0, None))[0]
+    (WALK_SPLIT_PAIRING; 0: never)."""
+    return WALK_SPLIT_PAIRING.get(mode, 0)
 
 
 def _walk_segments_by_rounds(key: ProblemKey, sms: int, mode: str) -> tuple[int, bool]:

@@ -242,18 +242,24 @@ COVERING_KEYS = (
                                      seq_dtype=i32, cu_dtype=i32, nseq=4, varlen=True,
                                      has_d=True), bf16, "input"),
     ("anchor-b8-L4096-h64-2xbf16", _anchor(8, 4096, 64, 1), f32, "2xbf16"),
-    # bf16 x walks in '2xbf16' where a call opts in (kernels.ssd.WALK_MODES), one block an SM, its
-    # state update in '3xbf16' out alone and with final states (kernels.ssd.state_precision).
-    *((f"anchor-b8-L4096-h64-q64-2xbf16{n}-{name}-walk",
-       replace(_anchor(8, 4096, 64, 1), chunk_size=64, dstate=dstate, states_returned=returned),
-       f32, "2xbf16")
-      for n, dstate in (("", 128), ("-n64", 64), ("-n256", 256))
+    # bf16 x walks in '2xbf16' where a call opts in (kernels.ssd.WALK_MODES), its state update in
+    # '3xbf16' out alone and with final states (kernels.ssd.state_precision), two blocks an SM up
+    # to dstate 128 where that takes fewer rounds (kernels.ssd.WALK_PAIRING: 8 rows of 64 heads),
+    # and so with both z and D; one an SM at 256, and at 2 rows of 64 heads.
+    *((f"anchor-b{batch}-L4096-h64-q64-2xbf16{n}-{name}-walk",
+       replace(_anchor(batch, 4096, 64, 1), chunk_size=64, dstate=dstate,
+               states_returned=returned), f32, "2xbf16")
+      for batch, n, dstate in ((8, "", 128), (8, "-n64", 64), (8, "-n256", 256), (2, "", 128),
+                               (2, "-n64", 64))
       for name, returned in (("out-only", False), ("final-states", True))),
+    ("anchor-b8-L4096-h64-q64-2xbf16-z-d-walk",
+     replace(_anchor(8, 4096, 64, 1, z_dtype=bf16, has_d=True), chunk_size=64,
+             states_returned=False), f32, "2xbf16"),
     # ... from initial states, its scores its own (kernels.ssd.walk_shares_scores) ...
-    *((f"anchor-b8-L4096-h64-q64-2xbf16{n}-start-walk",
-       replace(_anchor(8, 4096, 64, 1, start_dtype=f32), chunk_size=64, dstate=dstate,
+    *((f"anchor-b{batch}-L4096-h64-q64-2xbf16{n}-start-walk",
+       replace(_anchor(batch, 4096, 64, 1, start_dtype=f32), chunk_size=64, dstate=dstate,
                states_returned=False), f32, "2xbf16")
-      for n, dstate in (("", 128), ("-n256", 256))),
+      for batch, n, dstate in ((8, "", 128), (8, "-n256", 256), (2, "", 128))),
     # ... and split as 'input' is, never paired: the third anchor's 64 heads in two segments,
     # out alone and with final states, and at dstate 256 with D (kernels.ssd.walk_segments).
     *((f"b1-L65536-h64-q64-2xbf16{n}-{name}-walk-segments",

@@ -491,33 +491,42 @@ def test_fp16_calls_walk_in_their_default_mode_paired_up_to_dstate_128_on_sm90()
     assert ssd.make_plan(alone, precision="3xfp16").scan_out is None
 
 
-def test_bf16_calls_opting_in_to_2xbf16_walk_one_block_an_sm():
+def test_bf16_calls_opting_in_to_2xbf16_walk_paired_where_unsplit():
     """bf16 x in '2xbf16' (an opt-in, ``ssd_forward(precision="2xbf16")``) walks as 'input' does
     from SCAN_OUT_MIN_ROW_HEADS (row, head) pairs (``ssd.WALK_MODES``; on the H100 0.39-0.45x of
     chunk 256, which such calls took before), up to dstate 256, at chunk 64 by default there,
-    its state update in '3xbf16' out alone and with final states (``ssd.state_precision``), one
-    block an SM (``ssd.WALK_PAIRING`` names no '2xbf16'), from initial states too, its scores
-    then its own (``ssd.walk_shares_scores``: read shared, they raced there on the H100). With
-    fewer pairs over long sequences it splits them as 'input' does, its segments never doubled
-    to pair (``ssd.walk_segments``), each from its entering state with its own scores: the
-    third anchor's 64 pairs in two, the first's end state in two parts; where the segments
-    leave it fewer than WALK_MIN_SPLIT_ROW_HEADS blocks (80 pairs, unsplit; 40 in two) and
-    with both z and D (which walk only paired) it keeps chunk 256; a mode walks only with the x
-    dtype WALK_MODES names for it."""
+    its state update in '3xbf16' out alone and with final states (``ssd.state_precision``), two
+    blocks an SM up to dstate 128 where that takes fewer rounds at its paired cost
+    (``ssd.WALK_PAIRING``: at 512 blocks, not 384 nor 128, nor at dstate 256), and so with both
+    z and D there; from initial states too, its scores then its own (``ssd.walk_shares_scores``:
+    read shared, they raced there on the H100). With fewer pairs over long sequences it splits
+    them as 'input' does, one block an SM, its segments never doubled to pair
+    (``ssd.WALK_SPLIT_PAIRING``), each from its entering state with its own scores: the third
+    anchor's 64 pairs in two, the first's end state in two parts; where the segments leave it
+    fewer than WALK_MIN_SPLIT_ROW_HEADS blocks (80 pairs, unsplit; 40 in two) and with both z
+    and D one block an SM it keeps chunk 256; a mode walks only with the x dtype WALK_MODES
+    names for it."""
     key = anchor_key()
     alone = replace(key, chunk_size=64, states_returned=False)
     assert ssd.default_chunk_size(_meta_problem(key), precision="2xbf16") == 64
-    for dstate in (32, 64, 128, 256):
+    for dstate in (16, 32, 64, 128, 256):
         for returned in (False, True):
-            walk = ssd.make_plan(replace(alone, dstate=dstate, states_returned=returned),
-                                 precision="2xbf16").scan_out
-            assert (walk.precision, walk.state_precision, walk.occupancy) == (
-                "2xbf16", "3xbf16", None), (dstate, returned)
+            for batch, paired in ((8, dstate <= 128), (6, False), (2, False)):
+                walk = ssd.make_plan(replace(alone, batch=batch, dstate=dstate,
+                                             states_returned=returned),
+                                     precision="2xbf16").scan_out
+                assert (walk.precision, walk.state_precision, walk.occupancy) == (
+                    "2xbf16", "3xbf16", 2 if paired else None), (dstate, returned, batch)
     assert ssd.make_plan(replace(alone, has_d=True), precision="2xbf16").scan_out
     assert ssd.make_plan(alone, precision="2xbf16").scan_out.shared_scores
+    both = replace(key, has_d=True, z_dtype=bf16)
+    assert ssd.default_chunk_size(_meta_problem(both), precision="2xbf16") == 64
+    walk = ssd.make_plan(replace(both, chunk_size=64), precision="2xbf16").scan_out
+    assert (walk.precision, walk.occupancy, walk.has_d, walk.has_z) == ("2xbf16", 2, True, True)
     for dstate in (128, 256):
         started = replace(alone, dstate=dstate, start_dtype=torch.float32)
-        assert not ssd.make_plan(started, precision="2xbf16").scan_out.shared_scores, dstate
+        walk = ssd.make_plan(started, precision="2xbf16").scan_out
+        assert (walk.shared_scores, walk.occupancy) == (False, 2 if dstate == 128 else None)
         assert ssd.make_plan(started).scan_out.shared_scores, dstate
     third = replace(alone, batch=1, seqlen=65536)
     plan = ssd.make_plan(third, precision="2xbf16")
@@ -527,9 +536,13 @@ def test_bf16_calls_opting_in_to_2xbf16_walk_one_block_an_sm():
     assert ssd.make_plan(third).scan_out.shared_scores
     assert ssd.make_plan(third).walk_segments == 2 and ssd.make_plan(third).segment_split == 4
     for nheads, segments in ((96, 1), (48, 2), (32, 4), (16, 8), (8, 16)):
-        plan = ssd.make_plan(replace(third, nheads=nheads), precision="2xbf16")
-        assert (plan.walk_segments, plan.scan_out.occupancy) == (segments, None), nheads
-    for other in (replace(alone, has_d=True, z_dtype=bf16), replace(third, nheads=80),
+        for returned in (False, True):
+            plan = ssd.make_plan(replace(third, nheads=nheads, states_returned=returned),
+                                 precision="2xbf16")
+            assert (plan.walk_segments, plan.scan_out.occupancy) == (segments, None), nheads
+    plan = ssd.make_plan(replace(third, has_d=True), precision="2xbf16")
+    assert (plan.walk_segments, plan.segment_split, plan.scan_out.occupancy) == (2, 2, None)
+    for other in (replace(alone, batch=2, has_d=True, z_dtype=bf16), replace(third, nheads=80),
                   replace(third, nheads=40), replace(third, seqlen=8192)):
         assert ssd.make_plan(other, precision="2xbf16").scan_out is None, other
         problem = _meta_problem(replace(other, chunk_size=256))
