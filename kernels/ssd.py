@@ -357,6 +357,17 @@ WALK_MODES = {"input": "bfloat16", "2xbf16": "bfloat16", "2xfp16": "float16",
 # 256's time from initial states at 2 x 8,192 x 64 heads (H100 at 02fdbf4,
 # reports/h100/experiments/ab_p2_n256_start_02fdbf4.json).
 WALK_OWN_SCORES_FROM_START_MODES = ("2xbf16",)
+# Modes whose walk from initial states, where it reads its own scores only for them (above
+# SCAN_OUT_OWN_SCORES_MAX_DSTATE), pairs (WALK_PAIRING) with neither or both of z and D, not one
+# (``walk_occupancy``). In '2xbf16' on the H100 at 3e32b85, 8 x 4,096 x 64 heads at dstate 128
+# from initial states, paired against one block an SM (reports/h100/experiments/
+# ab_p2_start_3e32b85.json, ab_p2_alone_p2_3e32b85.json): plain 0.831x; with z 1.466x (on sm_90
+# 251 registers a thread, so one block an SM after all, in slower code than alone's 168), with D
+# per head 1.091x (128 registers, no spill: paired, and slower); with both, which walk only
+# paired (242 registers: one block an SM), 0.661x chunk 256's time, which such calls take
+# otherwise. At dstate 64, its scores its own from the start or not, z from initial states
+# paired took 0.876x.
+WALK_ALONE_FROM_START_WITH_Z_OR_D = ("2xbf16",)
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
 # state from zero, a sum over the segments gives the state entering each one
@@ -1129,9 +1140,15 @@ def walk_occupancy(key: ProblemKey, mode: str, sms: int, capability: int,
                    copies: int = 1) -> Optional[int]:
     """``scan_out_occupancy`` of ``copies`` times the unsplit walk's blocks (``walk_blocks``:
     one copy a segment, or a part of one) at the mode's paired cost, up to its most dstate
-    (``walk_pairing`` on a GPU of compute ``capability``); else None: one block an SM."""
+    (``walk_pairing`` on a GPU of compute ``capability``), unless from initial states with one
+    of z and D in a mode of WALK_ALONE_FROM_START_WITH_Z_OR_D above SCAN_OUT_OWN_SCORES_MAX_DSTATE;
+    else None: one block an SM."""
     max_dstate, paired_cost = walk_pairing(mode, capability)
     if next_pow2(key.dstate) > max_dstate:
+        return None
+    if (mode in WALK_ALONE_FROM_START_WITH_Z_OR_D and key.start_dtype is not None
+            and next_pow2(key.dstate) > SCAN_OUT_OWN_SCORES_MAX_DSTATE
+            and key.has_d != (key.z_dtype is not None)):
         return None
     return scan_out_occupancy(walk_blocks(key) * copies, sms, paired_cost)
 

@@ -499,7 +499,8 @@ def test_bf16_calls_opting_in_to_2xbf16_walk_paired_where_unsplit():
     blocks an SM up to dstate 128 where that takes fewer rounds at its paired cost
     (``ssd.WALK_PAIRING``: at 512 blocks, not 384 nor 128, nor at dstate 256), and so with both
     z and D there; from initial states too, its scores then its own (``ssd.walk_shares_scores``:
-    read shared, they raced there on the H100). With fewer pairs over long sequences it splits
+    read shared, they raced there on the H100), there one block an SM with one of z and D at
+    dstate 128 (``ssd.WALK_ALONE_FROM_START_WITH_Z_OR_D``). With fewer pairs over long sequences it splits
     them as 'input' does, one block an SM, its segments never doubled to pair
     (``ssd.WALK_SPLIT_PAIRING``), each from its entering state with its own scores: the third
     anchor's 64 pairs in two, the first's end state in two parts; where the segments leave it
@@ -528,6 +529,13 @@ def test_bf16_calls_opting_in_to_2xbf16_walk_paired_where_unsplit():
         walk = ssd.make_plan(started, precision="2xbf16").scan_out
         assert (walk.shared_scores, walk.occupancy) == (False, 2 if dstate == 128 else None)
         assert ssd.make_plan(started).scan_out.shared_scores, dstate
+    for dstate, z, d, occupancy in ((128, bf16, False, None), (128, None, True, None),
+                                    (128, bf16, True, 2), (64, bf16, False, 2)):
+        started = replace(alone, dstate=dstate, start_dtype=torch.float32, z_dtype=z, has_d=d)
+        walk = ssd.make_plan(started, precision="2xbf16").scan_out
+        assert walk.occupancy == occupancy, (dstate, z, d)
+        assert ssd.make_plan(replace(started, start_dtype=None),
+                             precision="2xbf16").scan_out.occupancy == 2, (dstate, z, d)
     third = replace(alone, batch=1, seqlen=65536)
     plan = ssd.make_plan(third, precision="2xbf16")
     assert (plan.walk_segments, plan.segment_split, plan.scan_out.occupancy,
