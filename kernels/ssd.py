@@ -296,6 +296,11 @@ WALK_PAIRING = {"input": (128, SCAN_OUT_PAIRED_COST), "2xfp16": (64, 1.32), "3xb
 # alone (8 to 32 pairs over 32,768 and 65,536 tokens, with final states too) and 1.63x from two
 # to four paired with D per head at the third anchor's size; the third anchor's states-only walk
 # in four paired parts 0.967x its two alone (reports/h100/experiments/ab_p2_pp_walk_74e38a2.json).
+# Where 'input' doubles two segments to pair and then, returning final states, walks four alone
+# (``walks_four_segments``), '2xbf16' walks those four too (``walks_four_unpaired``), against
+# chunk 256, which such calls took before, 0.719x at 80 pairs over 16,384 tokens, 0.713x over
+# 65,536, 0.779x at 72 over 32,768; out alone, two segments paired lost there (1.055x, 1.065x;
+# H100 at 1907565, reports/h100/experiments/ab_p2_c256_ss_1907565.json).
 WALK_SPLIT_PAIRING = {"input": WALK_PAIRING["input"][0]}
 # On compute capability 9.x fp16's walk pairs up to dstate 128 too, there computing out transposed
 # (``walk_out_transposed``): on sm_90 its block then takes 128 registers, no spill, 93,384 bytes of
@@ -900,10 +905,22 @@ def walk_segments(key: ProblemKey, sms: int, mode: str = "input") -> int:
     segments paired from 67 to 127 pairs (four from 67 to 82 with final states, alone, or out
     alone with D, paired), two alone from 48 to 66 (four paired out alone with D), four from 34
     to 47, eight from 17 to 33, sixteen from 9 to 16; '2xbf16' never pairs split
-    (WALK_SPLIT_PAIRING): one segment from 67 pairs, two from 34 to 66, four from 17 to 33, eight
-    from 9 to 16, sixteen below."""
+    (WALK_SPLIT_PAIRING): one segment from 67 pairs (four with final states up to 82,
+    ``walks_four_unpaired``), two from 34 to 66, four from 17 to 33, eight from 9 to 16, sixteen
+    below."""
+    if walks_four_unpaired(key, sms, mode):
+        return 4
     segments, doubled = _walk_segments_by_rounds(key, sms, mode)
     return 4 if segments == 2 and walks_four_segments(key, sms, doubled, mode) else segments
+
+
+def walks_four_unpaired(key: ProblemKey, sms: int, mode: str) -> bool:
+    """Whether a call returning final states walks in four segments in a bf16 ``mode`` whose
+    split never pairs (not in WALK_SPLIT_PAIRING), where 'input' walks four from two doubled
+    to pair (``walks_four_segments``): '2xbf16' at 67 to 82 pairs on 132 SMs."""
+    return (WALK_MODES.get(mode) == "bfloat16" and mode not in WALK_SPLIT_PAIRING
+            and key.states_returned and _walk_segments_by_rounds(key, sms, "input") == (2, True)
+            and walks_four_segments(key, sms, True, "input"))
 
 
 def _pairs_up_to(mode: str) -> int:

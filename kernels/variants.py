@@ -261,7 +261,11 @@ COVERING_KEYS = (
                states_returned=False), f32, "2xbf16")
       for batch, n, dstate in ((8, "", 128), (8, "-n256", 256), (2, "", 128))),
     # ... and split as 'input' is, never paired: the third anchor's 64 heads in two segments,
-    # out alone and with final states, and at dstate 256 with D (kernels.ssd.walk_segments).
+    # out alone and with final states, and at dstate 256 with D (kernels.ssd.walk_segments); 80
+    # heads with final states in four, their states-only walk paired
+    # (kernels.ssd.walks_four_unpaired).
+    ("b1-L65536-h80-q64-2xbf16-final-states-walk-four-segments",
+     replace(_anchor(1, 65536, 80, 1), chunk_size=64), f32, "2xbf16"),
     *((f"b1-L65536-h64-q64-2xbf16{n}-{name}-walk-segments",
        replace(_anchor(1, 65536, 64, 1, has_d=has_d), chunk_size=64, dstate=dstate,
                states_returned=returned), f32, "2xbf16")

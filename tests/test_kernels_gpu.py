@@ -934,7 +934,8 @@ def test_the_walks_weights_unrounded_pass_the_rule_with_less_error(
     (8, 64, 900, 128, True, "head", False, True), (8, 64, 900, 64, False, "channel", True, False),
     (8, 64, 900, 32, True, None, False, False), (8, 64, 900, 128, False, "head", False, True),
     large_case(1, 48, 16400, 128, False, None, False, False),
-    large_case(1, 48, 16400, 256, False, "head", True, True)])
+    large_case(1, 48, 16400, 256, False, "head", True, True),
+    large_case(1, 80, 16400, 128, False, None, True, False)])
 def test_the_walk_in_2xbf16_passes_the_rule_nearer_float64_than_input(
         batch, nheads, seqlen, dstate, z, d, final_states, start):
     """bf16 x opting in to '2xbf16' walks (``kernels.ssd.WALK_MODES``): 2 rows of 64 heads one
@@ -943,7 +944,8 @@ def test_the_walk_in_2xbf16_passes_the_rule_nearer_float64_than_input(
     D from initial states at dstate 128 (which walk only paired), D per channel with final states
     at 64, z at 32, but one an SM with D alone from initial states at 128
     (``ssd.WALK_ALONE_FROM_START_WITH_Z_OR_D``); 48 heads over 257 chunks in two segments (``ssd.walk_segments``), the
-    first's end state in two parts, at dstate 128 and 256, one block an SM. Held to the rule
+    first's end state in two parts, at dstate 128 and 256, and 80 heads with final states in
+    four (``ssd.walks_four_unpaired``), one block an SM. Held to the rule
     against float64; out's normwise error below 0.85x that of the default walk in 'input' on the
     same inputs, and within 1.1x that of chunk 256's '2xbf16' (the path such calls took before):
     every computed operand reaches its MMA in two bf16 terms (the CPU model at 1 x 2,048 x 4
@@ -955,7 +957,7 @@ def test_the_walk_in_2xbf16_passes_the_rule_nearer_float64_than_input(
     problem = build_problem(spec, "cuda")
     plan = stage_pipeline(problem, precision="2xbf16", states_returned=final_states).plan
     assert plan.scan_out is not None and plan.scan_out.precision == "2xbf16", plan.scan_out
-    assert (plan.walk_segments, plan.segment_split) == ((2, 2) if seqlen > 16384 else (1, 1))
+    assert (plan.walk_segments, plan.segment_split) == {48: (2, 2), 80: (4, 1)}.get(nheads, (1, 1))
     paired = batch == 8 and not (start and dstate == 128 and z != (d is not None))
     assert plan.scan_out.occupancy == (2 if paired else None)
     walked = check_problem(problem, precision="2xbf16", with_mamba=False)

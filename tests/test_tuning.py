@@ -503,9 +503,11 @@ def test_bf16_calls_opting_in_to_2xbf16_walk_paired_where_unsplit():
     dstate 128 (``ssd.WALK_ALONE_FROM_START_WITH_Z_OR_D``). With fewer pairs over long sequences it splits
     them as 'input' does, one block an SM, its segments never doubled to pair
     (``ssd.WALK_SPLIT_PAIRING``), each from its entering state with its own scores: the third
-    anchor's 64 pairs in two, the first's end state in two parts; where the segments leave it
-    fewer than WALK_MIN_SPLIT_ROW_HEADS blocks (80 pairs, unsplit; 40 in two) and with both z
-    and D one block an SM it keeps chunk 256; a mode walks only with the x dtype WALK_MODES
+    anchor's 64 pairs in two, the first's end state in two parts; with final states in four
+    where 'input' walks four from two doubled (67 to 82 pairs, ``ssd.walks_four_unpaired``);
+    where the segments leave it fewer than WALK_MIN_SPLIT_ROW_HEADS blocks (80 pairs out alone,
+    unsplit; 40 in two; 83 with final states) and with both z and D one block an SM it keeps
+    chunk 256; a mode walks only with the x dtype WALK_MODES
     names for it."""
     key = anchor_key()
     alone = replace(key, chunk_size=64, states_returned=False)
@@ -550,6 +552,14 @@ def test_bf16_calls_opting_in_to_2xbf16_walk_paired_where_unsplit():
             assert (plan.walk_segments, plan.scan_out.occupancy) == (segments, None), nheads
     plan = ssd.make_plan(replace(third, has_d=True), precision="2xbf16")
     assert (plan.walk_segments, plan.segment_split, plan.scan_out.occupancy) == (2, 2, None)
+    for nheads, segments in ((66, 2), (67, 4), (82, 4), (83, None), (96, 1)):
+        returning = replace(third, nheads=nheads, states_returned=True)
+        plan = ssd.make_plan(returning, precision="2xbf16")
+        assert (plan.scan_out and (plan.walk_segments, plan.scan_out.occupancy)) == (
+            segments and (segments, None)), nheads
+        problem = _meta_problem(replace(returning, chunk_size=256), return_final_states=True)
+        assert ssd.default_chunk_size(problem, precision="2xbf16") == (
+            64 if segments else 256), nheads
     for other in (replace(alone, batch=2, has_d=True, z_dtype=bf16), replace(third, nheads=80),
                   replace(third, nheads=40), replace(third, seqlen=8192)):
         assert ssd.make_plan(other, precision="2xbf16").scan_out is None, other
