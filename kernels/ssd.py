@@ -48,7 +48,8 @@ normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
     "tf32" stays an opt-in; "2xbf16" cuts those operands into two bf16 terms (~2^-18 relative),
     with the chunk-state matmul in three ("3xbf16"): 1.17 and 1.35 ms in the same run at chunk
     256; since bc870b4 such calls walk at chunk 64 (0.59 ms on the H100, out at bf16's own
-    rounding of the exact out; WALK_MODES).
+    rounding of the exact out; WALK_MODES), since 3e32b85 two blocks an SM where that pays (0.51
+    ms; WALK_PAIRING).
   - fp16 x: "2xfp16" by default since 2eef42b (below; it was "3xtf32"). TF32 keeps fp16's own 11
     bits, so rounding the computed operands to it costs an fp16 rounding of every *term* of an
     output, and terms can be far larger than the output they cancel to: on the H200 envelope's
