@@ -368,11 +368,11 @@ WALK_OWN_SCORES_FROM_START_MODES = ("2xbf16",)
 # (``walk_occupancy``). In '2xbf16' on the H100 at 3e32b85, 8 x 4,096 x 64 heads at dstate 128
 # from initial states, paired against one block an SM (reports/h100/experiments/
 # ab_p2_start_3e32b85.json, ab_p2_alone_p2_3e32b85.json): plain 0.831x; with z 1.466x (on sm_90
-# 251 registers a thread, so one block an SM after all, in slower code than alone's 168), with D
-# per head 1.091x (128 registers, no spill: paired, and slower); with both, which walk only
-# paired (242 registers: one block an SM), 0.661x chunk 256's time, which such calls take
-# otherwise. At dstate 64, its scores its own from the start or not, z from initial states
-# paired took 0.876x.
+# tileiras fits two such blocks an SM at 128 threads and 251 registers each, where the other
+# paired walks take 256 threads at 128 registers and alone 384 at 168), with D per head 1.091x
+# (128 registers, 256 threads, no spill); with both, which walk only paired (128 threads at 242
+# registers), 0.661x chunk 256's time, which such calls take otherwise. At dstate 64, its scores
+# its own from the start or not, z from initial states paired took 0.876x.
 WALK_ALONE_FROM_START_WITH_Z_OR_D = ("2xbf16",)
 # Below SCAN_OUT_MIN_ROW_HEADS pairs a bf16 walk splits each sequence of WALK_SPLIT_MIN_CHUNKS
 # chunks or more into segments (``walk_segments``): a states-only walk gives each segment's end
