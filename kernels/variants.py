@@ -161,12 +161,13 @@ COVERING_KEYS = (
     # (32 heads, four segments; kernels/entering_states.py reads them), out alone with D in four
     # segments paired, B loaded with its latency hint (kernels.ssd.walks_four_paired; after the
     # 32 heads, whose names its shared variants keep), and past 2^31 elements. The states-only
-    # walk runs backward from dstate 128, forward at 64 (kernels.ssd.walks_states_backward).
+    # walk runs backward from dstate 128, forward at 64 and 32 (kernels.ssd.walks_states_backward).
     ("b1-L65536-h64-q64-final-states-walk-segments", replace(_anchor(1, 65536, 64, 1),
                                                              chunk_size=64), None, None),
-    ("b1-L65536-h64-q64-n64-out-only-walk-segments",
-     replace(_anchor(1, 65536, 64, 1), dstate=64, chunk_size=64, states_returned=False),
-     None, None),
+    *((f"b1-L65536-h64-q64-n{dstate}-out-only-walk-segments",
+       replace(_anchor(1, 65536, 64, 1), dstate=dstate, chunk_size=64, states_returned=False),
+       None, None)
+      for dstate in (64, 32)),
     ("b1-L65536-h32-q64-out-only-walk-segments-start",
      replace(_anchor(1, 65536, 32, 1, start_dtype=bf16), chunk_size=64, states_returned=False),
      None, None),
