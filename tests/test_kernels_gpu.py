@@ -938,18 +938,18 @@ def test_the_walks_weights_unrounded_pass_the_rule_with_less_error(
     large_case(1, 80, 16400, 128, False, None, True, False)])
 def test_the_walk_in_2xbf16_passes_the_rule_nearer_float64_than_input(
         batch, nheads, seqlen, dstate, z, d, final_states, start):
-    """bf16 x opting in to '2xbf16' walks (``kernels.ssd.WALK_MODES``): 2 rows of 64 heads one
-    block an SM, out alone and with final states, z or D, dstate 64 to 256, a chunk's part last,
-    from initial states or not; 8 rows two blocks an SM (``ssd.WALK_PAIRING``), with both z and
-    D from initial states at dstate 128 (which walk only paired), D per channel with final states
-    at 64, z at 32, but one an SM with D alone from initial states at 128
-    (``ssd.WALK_ALONE_FROM_START_WITH_Z_OR_D``); 48 heads over 257 chunks in two segments (``ssd.walk_segments``), the
-    first's end state in two parts, at dstate 128 and 256, and 80 heads with final states in
-    four (``ssd.walks_four_unpaired``), one block an SM. Held to the rule
+    """bf16 x opting in to '2xbf16' walks (``kernels.ssd.WALK_MODES``): 2 rows of 64 heads one block
+    an SM, out alone and with final states, z or D, dstate 64 to 256, a chunk's part last, from
+    initial states or not; 8 rows two blocks an SM (``ssd.WALK_PAIRING``), with both z and D from
+    initial states at dstate 128 (which walk only paired), D per channel with final states at 64, z
+    at 32, but one an SM with D alone from initial states at 128
+    (``ssd.WALK_ALONE_FROM_START_WITH_Z_OR_D``); 48 heads over 257 chunks in two segments
+    (``ssd.walk_segments``), the first's end state in two parts, at dstate 128 and 256, and 80 heads
+    with final states in four (``ssd.walks_four_unpaired``), one block an SM. Held to the rule
     against float64; out's normwise error below 0.85x that of the default walk in 'input' on the
     same inputs, and within 1.1x that of chunk 256's '2xbf16' (the path such calls took before):
-    every computed operand reaches its MMA in two bf16 terms (the CPU model at 1 x 2,048 x 4
-    heads: 1.66e-3 against 'input''s 2.50e-3, bf16's own rounding of out 1.66e-3)."""
+    every computed operand reaches its MMA in two bf16 terms (the CPU model at 1 x 2,048 x 4 heads:
+    1.66e-3 against 'input''s 2.50e-3, bf16's own rounding of out 1.66e-3)."""
     from dataclasses import replace
     spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=dstate,
                        chunk_size=64, x_dtype="bf16", bc_dtype="bf16", z=z, D=d,

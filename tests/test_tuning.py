@@ -494,21 +494,20 @@ def test_fp16_calls_walk_in_their_default_mode_paired_up_to_dstate_128_on_sm90()
 def test_bf16_calls_opting_in_to_2xbf16_walk_paired_where_unsplit():
     """bf16 x in '2xbf16' (an opt-in, ``ssd_forward(precision="2xbf16")``) walks as 'input' does
     from SCAN_OUT_MIN_ROW_HEADS (row, head) pairs (``ssd.WALK_MODES``; on the H100 0.39-0.45x of
-    chunk 256, which such calls took before), up to dstate 256, at chunk 64 by default there,
-    its state update in '3xbf16' out alone and with final states (``ssd.state_precision``), two
-    blocks an SM up to dstate 128 where that takes fewer rounds at its paired cost
-    (``ssd.WALK_PAIRING``: at 512 blocks, not 384 nor 128, nor at dstate 256), and so with both
-    z and D there; from initial states too, its scores then its own (``ssd.walk_shares_scores``:
-    read shared, they raced there on the H100), there one block an SM with one of z and D at
-    dstate 128 (``ssd.WALK_ALONE_FROM_START_WITH_Z_OR_D``). With fewer pairs over long sequences it splits
-    them as 'input' does, one block an SM, its segments never doubled to pair
+    chunk 256, which such calls took before), up to dstate 256, at chunk 64 by default there, its
+    state update in '3xbf16' out alone and with final states (``ssd.state_precision``), two blocks
+    an SM up to dstate 128 where that takes fewer rounds at its paired cost (``ssd.WALK_PAIRING``:
+    at 512 blocks, not 384 nor 128, nor at dstate 256), and so with both z and D there; from initial
+    states too, its scores then its own (``ssd.walk_shares_scores``: read shared, they raced there
+    on the H100), there one block an SM with one of z and D at dstate 128
+    (``ssd.WALK_ALONE_FROM_START_WITH_Z_OR_D``). With fewer pairs over long sequences it splits them
+    as 'input' does, one block an SM, its segments never doubled to pair
     (``ssd.WALK_SPLIT_PAIRING``), each from its entering state with its own scores: the third
-    anchor's 64 pairs in two, the first's end state in two parts; with final states in four
-    where 'input' walks four from two doubled (67 to 82 pairs, ``ssd.walks_four_unpaired``);
-    where the segments leave it fewer than WALK_MIN_SPLIT_ROW_HEADS blocks (80 pairs out alone,
-    unsplit; 40 in two; 83 with final states) and with both z and D one block an SM it keeps
-    chunk 256; a mode walks only with the x dtype WALK_MODES
-    names for it."""
+    anchor's 64 pairs in two, the first's end state in two parts; with final states in four where
+    'input' walks four from two doubled (67 to 82 pairs, ``ssd.walks_four_unpaired``); where the
+    segments leave it fewer than WALK_MIN_SPLIT_ROW_HEADS blocks (80 pairs out alone, unsplit; 40 in
+    two; 83 with final states) and with both z and D one block an SM it keeps chunk 256; a mode
+    walks only with the x dtype WALK_MODES names for it."""
     key = anchor_key()
     alone = replace(key, chunk_size=64, states_returned=False)
     assert ssd.default_chunk_size(_meta_problem(key), precision="2xbf16") == 64
