@@ -1003,16 +1003,25 @@ def segment_split(key: ProblemKey, segments: int, sms: int, mode: str = "input")
 # SM early 0.997x (the second anchor with final states) and 1.000x (the third anchor). Not
 # taken: out alone paired, 1.058-1.084x (the first anchor 1.078x), dstate 64 one an SM 1.015x,
 # 256 0.999x, fp16 1.046x. The hints 6 and 10 on x, C or the scores lost at the first anchor
-# (1.105-1.135x).
+# (1.105-1.135x). Nor with D paired: on sm_90 the hint takes the first anchor's walk with D and
+# final states from no spill to 136 bytes (D per head; 128 per channel), and on the H100 at
+# 7df05c1 without it, outs and final states equal bit for bit, that walk took 0.868x the time
+# with D per head, 0.659x per channel, 0.670x at headdim 128 per channel, 0.869x at 3 rows
+# (192 blocks); 1.000x from initial states, 0.987x split in two paired segments with final
+# states (96 pairs), 0.998x out alone in four paired (the third anchor's size); without D
+# 1.039x, so the hint stays there (reports/h100/experiments/ab_x0_tr_final_7df05c1.json,
+# ab_x0_d_7df05c1.json).
 WALK_X_LATENCY = 3
 WALK_X_LATENCY_DSTATE = 128
 
 
-def walk_x_latency(mode: str, n_pad: int, occupancy: Optional[int], update_early: bool) -> int:
+def walk_x_latency(mode: str, n_pad: int, occupancy: Optional[int], update_early: bool,
+                   has_d: bool) -> int:
     """x's load latency hint in the walk of out (``ScanOutConfig.x_latency``): WALK_X_LATENCY in
-    'input' (bf16) at padded dstate WALK_X_LATENCY_DSTATE where the walk updates early or runs one
-    block an SM, else 0 (the compiler's)."""
-    if mode == "input" and n_pad == WALK_X_LATENCY_DSTATE and (update_early or occupancy is None):
+    'input' (bf16) at padded dstate WALK_X_LATENCY_DSTATE where the walk runs one block an SM, or
+    updates early paired without D; else 0 (the compiler's)."""
+    if mode == "input" and n_pad == WALK_X_LATENCY_DSTATE and (
+            occupancy is None or (update_early and not has_d)):
         return WALK_X_LATENCY
     return 0
 
@@ -1330,7 +1339,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              shared_scores=shared_scores, wide=wide, occupancy=occupancy,
                              segmented=split, worker_warps=walk_worker_warps(mode, n_pad),
                              update_early=early,
-                             x_latency=walk_x_latency(mode, n_pad, occupancy, early),
+                             x_latency=walk_x_latency(mode, n_pad, occupancy, early, key.has_d),
                              b_latency=walk_b_latency(mode, n_pad, occupancy, split,
                                                        walk_states_mode,
                                                        walks_four_paired(key, sms, mode)),

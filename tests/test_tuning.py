@@ -316,17 +316,26 @@ def test_the_walk_updates_its_state_early_where_the_h200_ran_it_faster():
 
 
 def test_the_walk_hints_xs_load_latency_where_the_h200_ran_it_faster():
-    """bf16 walks of out at dstate 128 that update early or run one block an SM take x's load
-    latency hint WALK_X_LATENCY (``ssd.walk_x_latency``); paired out alone, other dstates, fp16
-    and the states-only walk of a split call leave it to the compiler (0)."""
+    """bf16 walks of out at dstate 128 that run one block an SM, or update early paired without
+    D, take x's load latency hint WALK_X_LATENCY (``ssd.walk_x_latency``); paired out alone,
+    paired with D (unsplit with final states, split), other dstates, fp16 and the states-only
+    walk of a split call leave it to the compiler (0)."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     hinted = ssd.WALK_X_LATENCY
     assert hinted > 0
     assert ssd.make_plan(fused).scan_out.x_latency == 0
     assert ssd.make_plan(replace(fused, states_returned=True)).scan_out.x_latency == hinted
+    for key in (replace(fused, states_returned=True, has_d=True),
+                replace(fused, states_returned=True, has_d=True, d_per_channel=True),
+                replace(fused, batch=1, seqlen=65536, nheads=96, states_returned=True,
+                        has_d=True),
+                replace(fused, batch=1, seqlen=65536, has_d=True)):
+        walk = ssd.make_plan(key).scan_out
+        assert (walk.occupancy, walk.update_early, walk.x_latency) == (2, True, 0), key
     alone = replace(fused, batch=4, seqlen=8192, nheads=32, ngroups=8)
     assert ssd.make_plan(alone).scan_out.occupancy is None
     assert ssd.make_plan(alone).scan_out.x_latency == hinted
+    assert ssd.make_plan(replace(alone, has_d=True)).scan_out.x_latency == hinted
     for dstate in (64, 256):
         assert ssd.make_plan(replace(alone, dstate=dstate)).scan_out.x_latency == 0
     fp16 = dict(x_dtype=torch.float16, b_dtype=torch.float16, c_dtype=torch.float16)
