@@ -28,7 +28,12 @@ offset launches another specialization than CI compiles. Each compile also repor
 registers and spilled bytes, a block's shared memory and its threads, read from the cubin
 (``kernel_resources``).
 
-    python3 -m kernels.variants [--target sm_90 ...] [--jobs 2] [--list] [--out DIR]
+Beyond the covering set, ``--hinted`` compiles every kernel config with an occupancy hint that
+the dispatcher picks over a grid of calls (``HINT_SWEEP``) and the covering set lacks
+(``hinted_beyond_covering``), to find hints a compile does not hold (``occupancy_shortfall``)
+and the spills they cost; not in CI (~200 configs).
+
+    python3 -m kernels.variants [--target sm_90 ...] [--jobs 2] [--list] [--hinted] [--out DIR]
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ import functools
 import hashlib
 import inspect
 import io
+import itertools
 import linecache
 import math
 import os
@@ -57,8 +63,8 @@ from cuda.tile.compilation import ArrayConstraint, KernelSignature, export_kerne
 
 from kernels.contract import SSDProblem
 from kernels.device import tileiras_env, tileiras_path
-from kernels.ssd import (DEFAULT_CHUNK_SIZE, REFERENCE_CAPABILITY, ProblemKey, StagePipeline,
-                         make_plan)
+from kernels.ssd import (DEFAULT_CHUNK_SIZE, REFERENCE_CAPABILITY, STATE_SCAN_CHUNK_SIZE,
+                         ProblemKey, StagePipeline, make_plan)
 from kernels.tile_ops import kernel_signature, launch_constraint
 
 TARGETS = ("sm_80", "sm_90", "sm_100")
@@ -421,6 +427,56 @@ def target_capability(target: str) -> int:
     return int(target.removeprefix("sm_"))
 
 
+# The grid ``hinted_beyond_covering`` plans: (batch, seqlen, nheads, headdim, ngroups) shapes
+# that pair the walk, leave it one block an SM, split it in 2 to 16 segments or in four with
+# final states, then x's dtype, dstate, final states, z and D, float32 initial states and the
+# precision (bf16's opt-in too).
+HINT_SWEEP = dict(
+    shapes=((8, 4096, 64, 64, 1), (3, 4096, 64, 64, 1), (8, 4096, 64, 128, 1),
+            (8, 4096, 64, 64, 8), (2, 4096, 64, 64, 1), (1, 16384, 80, 64, 1),
+            *((1, 65536, nheads, 64, 1) for nheads in (96, 64, 48, 32, 16, 8))),
+    dtypes=(bf16, f16, f32), dstates=(128, 64, 32, 16, 256),
+    returned=(False, True), gates=("zd", "z", "d", ""), starts=(True, False),
+    precisions=(None, "2xbf16"))
+
+
+def hint_sweep_keys():
+    """(recipe name, key, precision) for each call of HINT_SWEEP's grid."""
+    grid = HINT_SWEEP
+    for (b, seqlen, nheads, headdim, ngroups), dtype, dstate, returned, gate, start, precision \
+            in itertools.product(grid["shapes"], grid["dtypes"], grid["dstates"], grid["returned"],
+                                 grid["gates"], grid["starts"], grid["precisions"]):
+        if precision == "2xbf16" and dtype != bf16:
+            continue
+        key = ProblemKey(batch=b, seqlen=seqlen, nheads=nheads, headdim=headdim, dstate=dstate,
+                         ngroups=ngroups, chunk_size=STATE_SCAN_CHUNK_SIZE, x_dtype=dtype,
+                         b_dtype=dtype, c_dtype=dtype, z_dtype=dtype if "z" in gate else None,
+                         has_d="d" in gate, start_dtype=f32 if start else None,
+                         states_returned=returned)
+        flags = "".join(f"-{flag}" for flag, on in (
+            ("final-states", returned), ("z", "z" in gate), ("d", "d" in gate),
+            ("start", start), (precision, precision)) if on)
+        name = (f"sweep-b{b}-L{seqlen}-h{nheads}-p{headdim}-g{ngroups}-"
+                f"{str(dtype).removeprefix('torch.')}-n{dstate}{flags}")
+        yield name, key, precision
+
+
+def hinted_beyond_covering(capability: int = REFERENCE_CAPABILITY) -> list[Variant]:
+    """Each kernel config with an occupancy hint of 2 or more that ``make_plan`` picks for a GPU
+    of compute ``capability`` at HINT_SWEEP's calls (at chunk STATE_SCAN_CHUNK_SIZE, where the
+    walk runs), and that no covering variant has, with the launch signature of its first call."""
+    covered = {(v.kernel, v.config) for v in covering_variants(capability)}
+    found: dict[tuple, Variant] = {}
+    for recipe, key, precision in hint_sweep_keys():
+        plan = make_plan(key, None, precision, capability=capability)
+        for kernel, cfg, signature in launch_signatures(key, plan):
+            ident = (kernel, cfg)
+            if (getattr(cfg, "occupancy", None) or 1) >= 2 and ident not in covered:
+                found.setdefault(ident, Variant(kernel, cfg, signature, (recipe,),
+                                                getattr(cfg, "precision", "")))
+    return list(found.values())
+
+
 def covering_variants(capability: int = REFERENCE_CAPABILITY) -> list[Variant]:
     """Every distinct (kernel config, launch signature) the covering recipes launch on a GPU of
     compute ``capability`` (the H200's by default; the plans differ by target only where
@@ -437,6 +493,10 @@ def covering_variants(capability: int = REFERENCE_CAPABILITY) -> list[Variant]:
                 found[ident] = Variant(kernel, cfg, signature, (recipe,),
                                        getattr(cfg, "precision", ""))
     return list(found.values())
+
+
+# The variant sets the compiler driver compiles, by name (``compile_all``, ``--hinted``).
+VARIANT_SETS = {"covering": covering_variants, "hinted": hinted_beyond_covering}
 
 
 @dataclass
@@ -639,37 +699,40 @@ def _run_tileiras(source: str, result: CompileResult, cubin_dir: str) -> None:
             result.tma_fallbacks = tma_fallbacks(remarks)
 
 
-def _compile_tasks(targets, out_dir: str | None) -> list[tuple]:
-    """A task per distinct variant of the targets' covering sets: (capability, index,
-    ((target, name), ...), out_dir), the variant at ``index`` of ``capability``'s set and every
-    target whose set holds it, with its name there. Spawned workers get indices, not variants."""
+def _compile_tasks(targets, out_dir: str | None, variant_set: str) -> list[tuple]:
+    """A task per distinct variant of the targets' sets (VARIANT_SETS[variant_set]): (set,
+    capability, index, ((target, name), ...), out_dir), the variant at ``index`` of
+    ``capability``'s set and every target whose set holds it, with its name there. Spawned
+    workers get indices, not variants."""
     tasks: dict[tuple, tuple] = {}
     for target in targets:
         capability = target_capability(target)
-        for index, v in enumerate(covering_variants(capability)):
+        for index, v in enumerate(VARIANT_SETS[variant_set](capability)):
             ident = (v.kernel, v.config, repr(v.signature.parameters))
             tasks.setdefault(ident, (capability, index, []))[2].append((target, v.name))
-    return [(capability, index, tuple(named), out_dir)
+    return [(variant_set, capability, index, tuple(named), out_dir)
             for capability, index, named in tasks.values()]
 
 
 @functools.lru_cache(maxsize=None)
-def _process_covering_variants(capability: int) -> list[Variant]:
-    """covering_variants, once per compile worker process (~0.2 s a call): its tasks index it."""
-    return covering_variants(capability)
+def _process_variants(variant_set: str, capability: int) -> list[Variant]:
+    """A variant set, once per compile worker process (the covering set ~0.2 s a call): its
+    tasks index it."""
+    return VARIANT_SETS[variant_set](capability)
 
 
 def _compile_task(args) -> list[CompileResult]:
-    capability, index, named_targets, out_dir = args
-    return compile_for_targets(_process_covering_variants(capability)[index], named_targets,
+    variant_set, capability, index, named_targets, out_dir = args
+    return compile_for_targets(_process_variants(variant_set, capability)[index], named_targets,
                                out_dir)
 
 
-def compile_all(targets=TARGETS, jobs: int = 2, out_dir: str | None = None) -> list[CompileResult]:
-    """Every target's covering variants for it, ``jobs`` variants at a time (spawned processes:
-    cuTile's front end is Python, tileiras is single-threaded per kernel), each variant's
-    bytecode written once for the targets that compile it."""
-    tasks = _compile_tasks(targets, out_dir)
+def compile_all(targets=TARGETS, jobs: int = 2, out_dir: str | None = None,
+                variant_set: str = "covering") -> list[CompileResult]:
+    """Every target's variants of ``variant_set`` (VARIANT_SETS) for it, ``jobs`` variants at a
+    time (spawned processes: cuTile's front end is Python, tileiras is single-threaded per
+    kernel), each variant's bytecode written once for the targets that compile it."""
+    tasks = _compile_tasks(targets, out_dir, variant_set)
     if jobs <= 1:
         per_task = [_compile_task(task) for task in tasks]
     else:
@@ -769,19 +832,24 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--list", action="store_true",
                         help="list the variants (of each --target; default: sm_90's) and exit")
+    parser.add_argument("--hinted", action="store_true",
+                        help="the hinted variants beyond the covering set (hinted_beyond_covering)"
+                             " instead of the covering set")
     parser.add_argument("--out", help="keep the cubins (and results.json) in this folder")
     args = parser.parse_args(argv)
+    set_name = "hinted" if args.hinted else "covering"
+    variant_set = VARIANT_SETS[set_name]
     if args.list:
         for target in args.target or [f"sm_{REFERENCE_CAPABILITY}"]:
-            for v in covering_variants(target_capability(target)):
+            for v in variant_set(target_capability(target)):
                 print(f"{target} {v.name:60s} {v.config.describe()}  <- {', '.join(v.recipes)}")
         return 0
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     targets = tuple(args.target or TARGETS)
-    results = compile_all(targets, args.jobs, args.out)
-    variants = {(v.name, t): v for t in targets for v in covering_variants(target_capability(t))}
+    results = compile_all(targets, args.jobs, args.out, set_name)
+    variants = {(v.name, t): v for t in targets for v in variant_set(target_capability(t))}
     failures = 0
     for r in results:
         problems = ([r.error] if not r.ok else []) + violations(variants[r.variant, r.target], r)

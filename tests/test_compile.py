@@ -175,6 +175,24 @@ def test_a_known_sm100_crash_of_tileiras_still_crashes(key):
     assert result.ok, result.error
 
 
+def test_the_hinted_sweep_lists_the_hinted_configs_the_covering_set_lacks():
+    """``python3 -m kernels.variants --hinted`` compiles ``hinted_beyond_covering``: configs with
+    an occupancy hint of 2 or more that the dispatcher picks over HINT_SWEEP's calls, none of
+    them a covering variant's, each named after its first call, and among them the two kinds
+    session 79's sweep timed on the H100: fp16's paired walk from initial states with z at
+    dstate 128 (blocks of 128 threads on sm_90) and '2xbf16''s with z and D."""
+    from kernels.variants import VARIANT_SETS, hinted_beyond_covering
+    hinted = hinted_beyond_covering(90)
+    covered = {(v.kernel, v.config) for v in covering_variants(90)}
+    assert len(hinted) > 100 and VARIANT_SETS["hinted"] is hinted_beyond_covering
+    assert all(v.config.occupancy >= 2 and (v.kernel, v.config) not in covered
+               and v.name.startswith(f"{v.kernel}[sweep-") for v in hinted)
+    walks = [v.config for v in hinted if v.kernel == "scan_out"]
+    assert any(c.x_dtype == torch.float16 and c.has_start and c.has_z and not c.has_d
+               and c.n_pad == 128 for c in walks)
+    assert any(c.precision == "2xbf16" and c.has_start and c.has_z and c.has_d for c in walks)
+
+
 def test_covering_set_covers_every_value():
     """Every dtype, chunk size, headdim, dstate, precision and flag appears at least once."""
     keys = [(key, state_dtype, ssd.resolve_precision(precision, key.x_dtype))
