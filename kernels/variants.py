@@ -707,7 +707,7 @@ def _compile_tasks(targets, out_dir: str | None, variant_set: str) -> list[tuple
     tasks: dict[tuple, tuple] = {}
     for target in targets:
         capability = target_capability(target)
-        for index, v in enumerate(VARIANT_SETS[variant_set](capability)):
+        for index, v in enumerate(_process_variants(variant_set, capability)):
             ident = (v.kernel, v.config, repr(v.signature.parameters))
             tasks.setdefault(ident, (capability, index, []))[2].append((target, v.name))
     return [(variant_set, capability, index, tuple(named), out_dir)
@@ -716,8 +716,8 @@ def _compile_tasks(targets, out_dir: str | None, variant_set: str) -> list[tuple
 
 @functools.lru_cache(maxsize=None)
 def _process_variants(variant_set: str, capability: int) -> list[Variant]:
-    """A variant set, once per compile worker process (the covering set ~0.2 s a call): its
-    tasks index it."""
+    """A variant set, once per process (the covering set ~0.2 s a call, the hinted one ~10 s):
+    the driver lists and names it, its compile workers' tasks index it."""
     return VARIANT_SETS[variant_set](capability)
 
 
@@ -838,7 +838,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="keep the cubins (and results.json) in this folder")
     args = parser.parse_args(argv)
     set_name = "hinted" if args.hinted else "covering"
-    variant_set = VARIANT_SETS[set_name]
+
+    def variant_set(capability: int) -> list[Variant]:
+        return _process_variants(set_name, capability)
     if args.list:
         for target in args.target or [f"sm_{REFERENCE_CAPABILITY}"]:
             for v in variant_set(target_capability(target)):
