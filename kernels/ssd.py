@@ -1137,13 +1137,28 @@ def walks_states_backward(key: ProblemKey, n_pad: int) -> bool:
 # final states 0.867x at the second anchor, 0.967-0.977x at four paired shapes, dstate 64 1.003x.
 # Not taken: out alone unsplit (the first anchor 0.994x, headdim 128 0.994x, the second 1.001x,
 # dstate 64 1.009x, fp16 1.003x, float32 1.017x) and z with D unsplit (1.028x, with final
-# states too).
-def walk_updates_early(key: ProblemKey, mode: str, state_mode: str, segments: int) -> bool:
+# states too). Nor split two blocks an SM at padded dstate 128 with z and without D, where the
+# update at the step's end ran faster on the H100 at be29531, outs bit-equal
+# (reports/h100/experiments/ab_ne_split_be29531.json, ab_ne_z_split_be29531.json): 0.780-0.790x
+# the time at 32 pairs in 8 segments and 96 in 2, from initial states too, with final states
+# 0.923x; on sm_90 the early walk spilled 144 bytes there, the late one 24. The other split
+# walks keep it: with z and D 1.018-1.045x late, D alone 1.120x, out alone 1.194x; with z one
+# block an SM 0.997-1.000x and at dstate 64 1.001x.
+WALK_LATE_SPLIT_PAIRED_Z_DSTATE = 128
+
+
+def walk_updates_early(key: ProblemKey, mode: str, state_mode: str, segments: int,
+                       occupancy: Optional[int], n_pad: int) -> bool:
     """Whether the walk of out updates its state right after the entering state's term and loads
-    x last (``ScanOutConfig.update_early``): in 'input' (bf16), split into ``segments`` or with
-    its state update in a finer mode than out's (final states returned) but not both z and D."""
-    return mode == "input" and (segments > 1 or (
-        state_mode != mode and not (key.has_d and key.z_dtype is not None)))
+    x last (``ScanOutConfig.update_early``): in 'input' (bf16), split into ``segments`` (but not
+    paired at padded dstate WALK_LATE_SPLIT_PAIRED_Z_DSTATE with z and without D) or with its
+    state update in a finer mode than out's (final states returned) but not both z and D."""
+    if mode != "input":
+        return False
+    if segments > 1:
+        return not (occupancy == 2 and n_pad == WALK_LATE_SPLIT_PAIRED_Z_DSTATE
+                    and key.z_dtype is not None and not key.has_d)
+    return state_mode != mode and not (key.has_d and key.z_dtype is not None)
 
 
 def walk_takes_few_pairs(key: ProblemKey, mode: str, segments: int) -> bool:
@@ -1327,7 +1342,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
     if walk_states_mode is not None:
         # Split, every segment starts from a float32 state (the first from the call's own).
         split = segments > 1
-        early = walk_updates_early(key, mode, walk_states_mode, segments)
+        early = walk_updates_early(key, mode, walk_states_mode, segments, occupancy, n_pad)
         shared_scores = walk_shares_scores(key, mode, n_pad, occupancy, segments)
         walk = ScanOutConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype, c_dtype=key.c_dtype,
                              z_dtype=key.z_dtype or key.x_dtype,

@@ -177,6 +177,13 @@ COVERING_KEYS = (
     ("b1-L65536-h32-q64-out-only-walk-segments-start",
      replace(_anchor(1, 65536, 32, 1, start_dtype=bf16), chunk_size=64, states_returned=False),
      None, None),
+    # With z and without D, paired at dstate 128: the state updated at the step's end
+    # (kernels.ssd.walk_updates_early), reading the shared scores, or in 8 groups its own with
+    # out transposed (kernels.ssd.walk_out_transposed).
+    *((f"b1-L65536-h32{name}-q64-z-out-only-walk-segments",
+       replace(_anchor(1, 65536, 32, groups, z_dtype=bf16), chunk_size=64,
+               states_returned=False), None, None)
+      for name, groups in (("", 1), ("-g8", 8))),
     ("b1-L65536-h64-q64-d-out-only-walk-four-segments",
      replace(_anchor(1, 65536, 64, 1, has_d=True), chunk_size=64, states_returned=False),
      None, None),

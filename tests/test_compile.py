@@ -68,14 +68,17 @@ def test_variant_compiles(compiled, variant, target):
 # states-only walk forward at dstate 32 (64 heads over 65,536 tokens; 116,032 bytes on sm_90,
 # 116,108 on sm_100): its hint, one block an SM held, took 0.935x and 0.916x (with final states)
 # the time of the walk compiled without it on the H100 at d10aa84
-# (reports/h100/experiments/ab_s1_n32_d10aa84.json). A compile that adds or drops one fails the
-# test: then update this list and say why.
+# (reports/h100/experiments/ab_s1_n32_d10aa84.json). On sm_80 (164 KB of shared memory an SM)
+# the split walk of out paired at dstate 128 holds one block (32 heads over 65,536 tokens: from
+# initial states 141,568 bytes, with z 149,760), where sm_90's 228 KB hold two. A compile that
+# adds or drops one fails the test: then update this list and say why.
 KNOWN_OCCUPANCY_SHORTFALLS = {
     "sm_80": (
         "compute_out[anchor-b4-L8192-h32-g8-shared-scores-ordered]",
         "compute_out[anchor-b8-L4096-h64-out-transposed]",
         "compute_out[anchor-b8-L4096-h64-states-transposed-ordered]",
         "scan_out[b1-L65536-h32-q64-out-only-walk-segments-start]",
+        "scan_out[b1-L65536-h32-q64-z-out-only-walk-segments]",
     ),
     "sm_90": (
         "chunk_state[anchor-b1-L65536-h64]",
@@ -83,6 +86,7 @@ KNOWN_OCCUPANCY_SHORTFALLS = {
         "chunk_state[anchor-b8-L4096-h64-out-only]",
         "chunk_state[anchor-b8-L4096-h64-states-transposed-ordered]",
         "chunk_state[anchor-b8-L4096-h64]",
+        "segment_states[b1-L65536-h32-g8-q64-z-out-only-walk-segments]",
         "segment_states[b1-L65536-h32-q64-out-only-walk-segments-start]",
         "segment_states[b1-L65536-h64-q64-n32-out-only-walk-segments]",
     ),

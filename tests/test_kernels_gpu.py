@@ -730,14 +730,15 @@ def _assert_walks_agree(out, final, other_out, other_final):
 @pytest.mark.gpu
 @requires_gpu
 @large
-@pytest.mark.parametrize("D, z, final_states, dstate, batch, pairs", [
-    (None, False, False, 128, 1, 48), ("channel", False, True, 128, 1, 48),
-    (None, True, True, 128, 1, 48), ("head", False, False, 128, 1, 48),
-    ("channel", False, True, 256, 1, 48), ("head", False, True, 128, 2, 48),
-    ("head", False, False, 128, 1, 80), ("channel", False, True, 128, 2, 80),
-    ("head", False, True, 128, 1, 112)])
+@pytest.mark.parametrize("D, z, final_states, dstate, batch, pairs, ngroups", [
+    (None, False, False, 128, 1, 48, 1), ("channel", False, True, 128, 1, 48, 1),
+    (None, True, True, 128, 1, 48, 1), ("head", False, False, 128, 1, 48, 1),
+    ("channel", False, True, 256, 1, 48, 1), ("head", False, True, 128, 2, 48, 1),
+    ("head", False, False, 128, 1, 80, 1), ("channel", False, True, 128, 2, 80, 1),
+    ("head", False, True, 128, 1, 112, 1), (None, True, False, 128, 1, 112, 1),
+    (None, True, False, 128, 1, 112, 16)])
 def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unsplit_walk(
-        D, z, final_states, dstate, batch, pairs):
+        D, z, final_states, dstate, batch, pairs, ngroups):
     """48 (row, head) pairs over 257 chunks, bf16, one row of 48 heads or two of 24: the walk in
     two segments of 129 and 128 chunks, the last partial (``ssd.walk_segments``), the first's
     end state in four parts (``ssd.segment_split``; two at dstate 256, where the walk does not
@@ -745,16 +746,19 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
     three's end states whole), from initial states, at dstate 128 and 256; 80 and 112 pairs (one
     row or two): 112 with final states in two segments paired, the first's end state in two
     parts, 80 in four segments, paired out alone (past one paired round) and with final states
-    one block an SM; each held to the rule against float64; and its out and final states within
-    a few units of the output dtype of the unsplit walk's (the same plan, one segment), whose
-    sums it orders otherwise only at the segments' seams."""
+    one block an SM; 112 with z and without D paired, updating the state at the step's end
+    (``ssd.walk_updates_early``), reading the shared scores or, 7 heads a group, computing its
+    own with out transposed; each held to the rule against float64; and its out and final
+    states within a few units of the output dtype of the unsplit walk's (the same plan, one
+    segment), whose sums it orders otherwise only at the segments' seams."""
     from dataclasses import replace as changed
 
     from kernels.gpu_check import check_problem
     from kernels.ssd import run_stages, stage_pipeline
     spec = ProblemSpec(batch=batch, seqlen=16400, nheads=pairs // batch, headdim=64,
-                       dstate=dstate, ngroups=1, chunk_size=64, x_dtype="bf16", bc_dtype="bf16",
-                       D=D, z=z, initial_states=True, return_final_states=final_states)
+                       dstate=dstate, ngroups=ngroups, chunk_size=64, x_dtype="bf16",
+                       bc_dtype="bf16", D=D, z=z, initial_states=True,
+                       return_final_states=final_states)
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=final_states)
     four_alone = final_states and pairs == 80
@@ -764,6 +768,7 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
         1 if four_alone or four_paired else 2 if dstate == 256 or pairs > 66 else 4)
     assert pipeline.plan.scan_out.occupancy == (
         2 if four_paired or pairs > 66 and not four_alone else None)
+    assert pipeline.plan.scan_out.update_early == (not (z and D is None and pairs > 66))
     assert pipeline.plan.segment_states is not None
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
