@@ -1010,7 +1010,8 @@ def segment_split(key: ProblemKey, segments: int, sms: int, mode: str = "input")
 # (192 blocks); 1.000x from initial states, 0.987x split in two paired segments with final
 # states (96 pairs), 0.998x out alone in four paired (the third anchor's size); without D
 # 1.039x, so the hint stays there (reports/h100/experiments/ab_x0_tr_final_7df05c1.json,
-# ab_x0_d_7df05c1.json).
+# ab_x0_d_7df05c1.json). The split walk paired with z updating late (walk_updates_early) takes
+# none: with it 0.994-1.004x at six shapes (ab_late_z_split_89a6f1e.json).
 WALK_X_LATENCY = 3
 WALK_X_LATENCY_DSTATE = 128
 
@@ -1087,6 +1088,10 @@ def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: b
 # heads), 1.36x at the second anchor, 1.33x in the third's split walk; 160-240 bytes spilled on
 # sm_90, none with 8 worker warps, which lost more: 1.40-1.69x, 1.19-1.68x in out's
 # orientation), its own scores (dstate 64, 1.065x) and with the early update (1.016-1.041x).
+# The split walk paired with z updating late (walk_updates_early) and its own scores (32 heads
+# in 8 groups, 96 in 32) transposed took 0.889x and 0.876x the early walk's time on the H100 at
+# 89a6f1e, in out's orientation 1.000x and 1.001x (reports/h100/experiments/
+# ab_late_z_split_89a6f1e.json).
 # With its own scores at dstate 128 (662371b, ``walk_shares_scores`` above) the walk paired
 # computes out transposed without D, with z or not: 4 readers 0.901x the time of out's
 # orientation, 8 readers 0.885x (0.969 / 1.095), with z 0.914x (0.946 / 1.035); with D it keeps
@@ -1141,9 +1146,12 @@ def walks_states_backward(key: ProblemKey, n_pad: int) -> bool:
 # update at the step's end ran faster on the H100 at be29531, outs bit-equal
 # (reports/h100/experiments/ab_ne_split_be29531.json, ab_ne_z_split_be29531.json): 0.780-0.790x
 # the time at 32 pairs in 8 segments and 96 in 2, from initial states too, with final states
-# 0.923x; on sm_90 the early walk spilled 144 bytes there, the late one 24. The other split
-# walks keep it: with z and D 1.018-1.045x late, D alone 1.120x, out alone 1.194x; with z one
-# block an SM 0.997-1.000x and at dstate 64 1.001x.
+# 0.923x; on sm_90 the early walk spilled 144 bytes there, the late one 24. As dispatched since
+# (no x hint: walk_x_latency; out transposed with its own scores: walk_out_transposed), against
+# the early walk (ab_late_z_split_89a6f1e.json): 0.777-0.828x at four shapes (16 to 96 pairs),
+# 0.923x with final states, own scores 0.889x and 0.876x. The other split walks keep it: with z
+# and D 1.018-1.045x late, D alone 1.120x, out alone 1.194x; with z one block an SM
+# 0.997-1.000x and at dstate 64 1.001x.
 WALK_LATE_SPLIT_PAIRED_Z_DSTATE = 128
 
 
