@@ -318,8 +318,9 @@ def test_the_walk_updates_its_state_early_where_the_h200_ran_it_faster():
 def test_the_split_walk_paired_with_z_and_without_d_updates_its_state_last():
     """Split bf16 walks two blocks an SM at padded dstate 128 with z and without D update the
     state at the step's end, where the H100 ran them faster (``ssd.walk_updates_early``), from
-    initial states or not, returning final states or not, and so take no x latency hint; with
-    D too, one block an SM or at dstate 64 they update early."""
+    initial states or not, returning final states or not, and so take no x latency hint, and
+    compute out transposed where they compute their own scores (``ssd.walk_out_transposed``);
+    with D too, one block an SM or at dstate 64 they update early."""
     split = replace(anchor_key(), chunk_size=64, states_returned=False, batch=1, seqlen=65536,
                     nheads=32, z_dtype=bf16)
     for key in (split, replace(split, states_returned=True),
@@ -328,6 +329,7 @@ def test_the_split_walk_paired_with_z_and_without_d_updates_its_state_last():
         walk = ssd.make_plan(key).scan_out
         assert ssd.make_plan(key).walk_segments > 1 and walk.occupancy == 2
         assert not walk.update_early and walk.x_latency == 0
+        assert walk.out_transposed == (key.ngroups == 32) == (not walk.shared_scores)
     for key in (replace(split, has_d=True), replace(split, has_d=True, d_per_channel=True),
                 replace(split, z_dtype=None), replace(split, dstate=64),
                 replace(split, nheads=64)):
