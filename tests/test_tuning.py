@@ -326,8 +326,9 @@ def test_the_split_walk_paired_with_z_and_without_d_updates_its_state_last():
     for key in (split, replace(split, states_returned=True),
                 replace(split, start_dtype=torch.float32),
                 replace(split, seqlen=16384, nheads=96, ngroups=32), replace(split, dstate=100)):
-        walk = ssd.make_plan(key).scan_out
-        assert ssd.make_plan(key).walk_segments > 1 and walk.occupancy == 2
+        plan = ssd.make_plan(key)
+        walk = plan.scan_out
+        assert plan.walk_segments > 1 and walk.occupancy == 2
         assert not walk.update_early and walk.x_latency == 0
         assert walk.out_transposed == (key.ngroups == 32) == (not walk.shared_scores)
     for key in (replace(split, has_d=True), replace(split, has_d=True, d_per_channel=True),
