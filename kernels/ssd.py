@@ -1091,7 +1091,11 @@ def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: b
 # The split walk paired with z updating late (walk_updates_early) and its own scores (32 heads
 # in 8 groups, 96 in 32) transposed took 0.889x and 0.876x the early walk's time on the H100 at
 # 89a6f1e, in out's orientation 1.000x and 1.001x (reports/h100/experiments/
-# ab_late_z_split_89a6f1e.json).
+# ab_late_z_split_89a6f1e.json). Unsplit with final states, updating late (walk_updates_early),
+# the H100 found the opposite at be29531 (ab_late_z_final_be29531.json, ab_late_z_final2_*): out
+# transposed where the walk reads the shared scores (0.956-0.961x the early walk's time against
+# 1.002-1.006x in out's orientation), in out's orientation where it computes its own (0.880-0.916x
+# against 0.946-0.977x).
 # With its own scores at dstate 128 (662371b, ``walk_shares_scores`` above) the walk paired
 # computes out transposed without D, with z or not: 4 readers 0.901x the time of out's
 # orientation, 8 readers 0.885x (0.969 / 1.095), with z 0.914x (0.946 / 1.035); with D it keeps
@@ -1103,17 +1107,21 @@ def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: b
 
 
 def walk_out_transposed(mode: str, occupancy: Optional[int], shared_scores: bool, n_pad: int,
-                        update_early: bool, has_d: bool, has_z: bool) -> bool:
+                        update_early: bool, has_d: bool, has_z: bool,
+                        unsplit_final: bool) -> bool:
     """Whether the walk of out computes out transposed (``ScanOutConfig.out_transposed``): in
     'input' (bf16) two blocks an SM, updating the state last, reading the shared scores without
-    z (with D or without), or computing its own above dstate SCAN_OUT_OWN_SCORES_MAX_DSTATE
-    without D (with z or without); in '2xfp16' two blocks an SM at padded dstate 128
-    (WALK_PAIRING_SM90), whatever it reads and adds."""
+    z (with D or without) or, unsplit returning final states (``unsplit_final``), with z and
+    without D, or computing its own above dstate SCAN_OUT_OWN_SCORES_MAX_DSTATE without D (with
+    z or without) but not unsplit returning final states; in '2xfp16' two blocks an SM at padded
+    dstate 128 (WALK_PAIRING_SM90), whatever it reads and adds."""
     if mode == "2xfp16":
         return occupancy == 2 and n_pad == 128
     if mode != "input" or occupancy != 2 or update_early:
         return False
-    return not has_z if shared_scores else n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE and not has_d
+    if shared_scores:
+        return not has_z or (unsplit_final and not has_d)
+    return n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE and not has_d and not unsplit_final
 
 
 # The split walk's states-only walk backward (``ScanOutConfig.backward``: chunks last to first,
@@ -1151,22 +1159,31 @@ def walks_states_backward(key: ProblemKey, n_pad: int) -> bool:
 # the early walk (ab_late_z_split_89a6f1e.json): 0.777-0.828x at four shapes (16 to 96 pairs),
 # 0.923x with final states, own scores 0.889x and 0.876x. The other split walks keep it: with z
 # and D 1.018-1.045x late, D alone 1.120x, out alone 1.194x; with z one block an SM
-# 0.997-1.000x and at dstate 64 1.001x.
-WALK_LATE_SPLIT_PAIRED_Z_DSTATE = 128
+# 0.997-1.000x and at dstate 64 1.001x. Unsplit with final states the same walks (paired at
+# dstate 128, z, no D) ran faster updating late on the H100 at be29531, outs and final states
+# bit-equal (reports/h100/experiments/ab_late_z_final_be29531.json, ab_late_z_final2_*): with
+# their own scores, 4 heads a group, 0.880-0.916x (8 x 4,096 and 8 x 2,048 x 64 heads, headdim
+# 128 in 8 groups; transposed 0.946-0.977x), reading the shared scores 0.956-0.961x with out
+# transposed (1.002-1.006x in out's orientation; walk_out_transposed). They keep the early
+# update at one head a group (1.007x, transposed 0.996x) and from initial states (1.305x).
+WALK_LATE_PAIRED_Z_DSTATE = 128
 
 
 def walk_updates_early(key: ProblemKey, mode: str, state_mode: str, segments: int,
                        occupancy: Optional[int], n_pad: int) -> bool:
     """Whether the walk of out updates its state right after the entering state's term and loads
-    x last (``ScanOutConfig.update_early``): in 'input' (bf16), split into ``segments`` (but not
-    paired at padded dstate WALK_LATE_SPLIT_PAIRED_Z_DSTATE with z and without D) or with its
-    state update in a finer mode than out's (final states returned) but not both z and D."""
+    x last (``ScanOutConfig.update_early``): in 'input' (bf16), split into ``segments`` or with
+    its state update in a finer mode than out's (final states returned) but not both z and D;
+    neither where it runs paired at padded dstate WALK_LATE_PAIRED_Z_DSTATE with z and without
+    D, split or, from no initial states, with more than one head a group."""
     if mode != "input":
         return False
+    late_z = (occupancy == 2 and n_pad == WALK_LATE_PAIRED_Z_DSTATE and key.z_dtype is not None
+              and not key.has_d)
     if segments > 1:
-        return not (occupancy == 2 and n_pad == WALK_LATE_SPLIT_PAIRED_Z_DSTATE
-                    and key.z_dtype is not None and not key.has_d)
-    return state_mode != mode and not (key.has_d and key.z_dtype is not None)
+        return not late_z
+    return state_mode != mode and not (key.has_d and key.z_dtype is not None) and not (
+        late_z and key.start_dtype is None and key.nheads > key.ngroups)
 
 
 def walk_takes_few_pairs(key: ProblemKey, mode: str, segments: int) -> bool:
@@ -1368,7 +1385,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                                        walks_four_paired(key, sms, mode)),
                              out_transposed=walk_out_transposed(
                                  mode, occupancy, shared_scores, n_pad, early, key.has_d,
-                                 key.z_dtype is not None))
+                                 key.z_dtype is not None,
+                                 not split and walk_states_mode != mode))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(

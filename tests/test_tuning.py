@@ -340,6 +340,34 @@ def test_the_split_walk_paired_with_z_and_without_d_updates_its_state_last():
     assert ssd.make_plan(replace(split, dstate=64)).scan_out.occupancy == 2
 
 
+def test_the_unsplit_paired_walk_with_z_returning_final_states_updates_its_state_last():
+    """Unsplit bf16 walks two blocks an SM at padded dstate 128 with z and without D that return
+    final states update the state at the step's end, where the H100 ran them faster
+    (``ssd.walk_updates_early``), without x's hint, out transposed where they read the shared
+    scores (8 heads a group or more) and in out's orientation where they compute their own
+    (``ssd.walk_out_transposed``); from initial states, at one head a group, one block an SM or
+    at dstate 64 they update early; with D too, or out alone, late in out's orientation."""
+    final = replace(anchor_key(), chunk_size=64, states_returned=True, z_dtype=bf16)
+    for key in (final, replace(final, ngroups=8), replace(final, ngroups=16),
+                replace(final, ngroups=32), replace(final, dstate=100)):
+        plan = ssd.make_plan(key)
+        walk = plan.scan_out
+        assert plan.walk_segments == 1 and walk.occupancy == 2
+        assert not walk.update_early and walk.x_latency == 0
+        assert walk.out_transposed == walk.shared_scores == (key.ngroups <= 8)
+    for key in (replace(final, start_dtype=torch.float32), replace(final, ngroups=64),
+                replace(final, batch=2, seqlen=8192), replace(final, dstate=64)):
+        plan = ssd.make_plan(key)
+        assert plan.walk_segments == 1 and plan.scan_out.update_early
+        assert not plan.scan_out.out_transposed
+    assert ssd.make_plan(replace(final, batch=2, seqlen=8192)).scan_out.occupancy is None
+    assert ssd.make_plan(replace(final, dstate=64)).scan_out.occupancy == 2
+    for key in (replace(final, has_d=True), replace(final, states_returned=False)):
+        walk = ssd.make_plan(key).scan_out
+        assert walk.occupancy == 2 and walk.shared_scores
+        assert not walk.update_early and not walk.out_transposed
+
+
 def test_the_walk_hints_xs_load_latency_where_the_h200_ran_it_faster():
     """bf16 walks of out at dstate 128 that run one block an SM, or update early paired without
     D, take x's load latency hint WALK_X_LATENCY (``ssd.walk_x_latency``); paired out alone,
