@@ -1095,7 +1095,11 @@ def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: b
 # the H100 found the opposite at be29531 (ab_late_z_final_be29531.json, ab_late_z_final2_*): out
 # transposed where the walk reads the shared scores (0.956-0.961x the early walk's time against
 # 1.002-1.006x in out's orientation), in out's orientation where it computes its own (0.880-0.916x
-# against 0.946-0.977x).
+# against 0.946-0.977x). With z and D such walks update late anyway; reading the shared scores
+# transposed took 0.974-0.977x the time with D per head, 0.988x / 0.989x per channel at six
+# shapes on the H100 at aab4aca, outs and final states bit-equal (reports/h100/experiments/
+# ab_zd_final_tr_aab4aca.json, ab_zd_final_tr2_aab4aca.json); not from initial states (1.024x)
+# nor with their own scores (16 groups, 1.026x).
 # With its own scores at dstate 128 (662371b, ``walk_shares_scores`` above) the walk paired
 # computes out transposed without D, with z or not: 4 readers 0.901x the time of out's
 # orientation, 8 readers 0.885x (0.969 / 1.095), with z 0.914x (0.946 / 1.035); with D it keeps
@@ -1108,20 +1112,20 @@ def walk_b_latency(mode: str, n_pad: int, occupancy: Optional[int], segmented: b
 
 def walk_out_transposed(mode: str, occupancy: Optional[int], shared_scores: bool, n_pad: int,
                         update_early: bool, has_d: bool, has_z: bool,
-                        unsplit_final: bool) -> bool:
+                        final_from_zero: bool) -> bool:
     """Whether the walk of out computes out transposed (``ScanOutConfig.out_transposed``): in
     'input' (bf16) two blocks an SM, updating the state last, reading the shared scores without
-    z (with D or without) or, unsplit returning final states (``unsplit_final``), with z and
-    without D, or computing its own above dstate SCAN_OUT_OWN_SCORES_MAX_DSTATE without D (with
-    z or without) but not unsplit returning final states; in '2xfp16' two blocks an SM at padded
-    dstate 128 (WALK_PAIRING_SM90), whatever it reads and adds."""
+    z or, unsplit returning final states from no initial states (``final_from_zero``), with z
+    too (with D or without), or computing its own above dstate SCAN_OUT_OWN_SCORES_MAX_DSTATE
+    without D (with z or without) but not unsplit returning final states; in '2xfp16' two blocks
+    an SM at padded dstate 128 (WALK_PAIRING_SM90), whatever it reads and adds."""
     if mode == "2xfp16":
         return occupancy == 2 and n_pad == 128
     if mode != "input" or occupancy != 2 or update_early:
         return False
     if shared_scores:
-        return not has_z or (unsplit_final and not has_d)
-    return n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE and not has_d and not unsplit_final
+        return not has_z or final_from_zero
+    return n_pad > SCAN_OUT_OWN_SCORES_MAX_DSTATE and not has_d and not final_from_zero
 
 
 # The split walk's states-only walk backward (``ScanOutConfig.backward``: chunks last to first,
@@ -1386,7 +1390,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                              out_transposed=walk_out_transposed(
                                  mode, occupancy, shared_scores, n_pad, early, key.has_d,
                                  key.z_dtype is not None,
-                                 not split and walk_states_mode != mode))
+                                 not split and walk_states_mode != mode
+                                 and key.start_dtype is None))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(

@@ -184,12 +184,13 @@ COVERING_KEYS = (
        replace(_anchor(1, 65536, 32, groups, z_dtype=bf16), chunk_size=64,
                states_returned=False), None, None)
       for name, groups in (("", 1), ("-g8", 8))),
-    # Unsplit returning final states, with z and without D, paired at dstate 128: updated at the
-    # step's end too, out transposed reading the shared scores, in out's orientation computing
-    # its own in 16 groups (kernels.ssd.walk_out_transposed).
+    # Unsplit returning final states with z, paired at dstate 128: without D updated at the
+    # step's end too, out transposed reading the shared scores (with D too), in out's orientation
+    # computing its own in 16 groups (kernels.ssd.walk_out_transposed).
     *((f"anchor-b8-L4096-h64{name}-q64-z-final-states-walk",
-       replace(_anchor(8, 4096, 64, groups, z_dtype=bf16), chunk_size=64), None, None)
-      for name, groups in (("", 1), ("-g16", 16))),
+       replace(_anchor(8, 4096, 64, groups, z_dtype=bf16, has_d=has_d), chunk_size=64),
+       None, None)
+      for name, groups, has_d in (("", 1, False), ("-g16", 16, False), ("-d", 1, True))),
     ("b1-L65536-h64-q64-d-out-only-walk-four-segments",
      replace(_anchor(1, 65536, 64, 1, has_d=True), chunk_size=64, states_returned=False),
      None, None),

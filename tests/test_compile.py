@@ -3,7 +3,7 @@ compiles to sm_80/sm_90/sm_100 cubins, keeps its matmuls on tensor cores where i
 promises them and moves its tiles by TMA (sm_90 remarks); those specializations are the H200's,
 and the host code launches the signatures CI compiles.
 
-The compiles (620 tileiras runs: each target's covering set, 212 distinct variants whose bytecode
+The compiles (623 tileiras runs: each target's covering set, 213 distinct variants whose bytecode
 is written once for the targets that compile them) happen once, two variants at a time, in a
 module fixture; each (variant, target) is then its own test. On the 2-core CI machine the fixture
 took 882 s (753cc8d, pytest --durations) when each run wrote its own bytecode; the whole CPU suite

@@ -851,34 +851,36 @@ def test_the_walks_order_and_hint_knobs_give_the_same_bits_as_without_them(
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("batch, nheads, headdim, ngroups", [
-    (4, 64, 64, 1), (4, 64, 64, 16), (4, 32, 128, 8)])
-def test_the_paired_walk_with_z_returning_final_states_updates_late_with_the_early_bits(
-        batch, nheads, headdim, ngroups):
-    """Unsplit bf16 walks two blocks an SM at dstate 128 with z and without D that return final
-    states (1,100 tokens, a chunk's part last) update the state at the step's end
-    (``ssd.walk_updates_early``), without x's hint, out transposed where they read the shared
-    scores and in out's orientation where they compute their own, 4 heads a group
-    (``ssd.walk_out_transposed``): out and final states equal bit for bit the early walk's (x's
-    hint, out's orientation: the dispatch before), and held to the rule against float64."""
+@pytest.mark.parametrize("batch, nheads, headdim, ngroups, D", [
+    (4, 64, 64, 1, None), (4, 64, 64, 16, None), (4, 32, 128, 8, None), (4, 64, 64, 1, "head")])
+def test_the_paired_walk_with_z_returning_final_states_keeps_its_old_dispatchs_bits(
+        batch, nheads, headdim, ngroups, D):
+    """Unsplit bf16 walks two blocks an SM at dstate 128 with z that return final states (1,100
+    tokens, a chunk's part last) update the state at the step's end (``ssd.walk_updates_early``;
+    without D since f45a613, with D before), without x's hint, out transposed where they read
+    the shared scores and in out's orientation where they compute their own, 4 heads a group
+    (``ssd.walk_out_transposed``): out and final states equal bit for bit those of the walk
+    dispatched before (without D the early update with x's hint, in out's orientation; with D
+    in out's orientation), and held to the rule against float64."""
     from dataclasses import replace as changed
 
     from kernels.ssd import WALK_X_LATENCY
     spec = ProblemSpec(batch=batch, seqlen=1100, nheads=nheads, headdim=headdim, dstate=128,
-                       ngroups=ngroups, chunk_size=64, x_dtype="bf16", bc_dtype="bf16", z=True,
-                       return_final_states=True)
+                       ngroups=ngroups, chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D,
+                       z=True, return_final_states=True)
     problem = build_problem(spec, "cuda")
     pipeline = stage_pipeline(problem, states_returned=True)
     walk = pipeline.plan.scan_out
     assert (pipeline.plan.walk_segments, walk.occupancy) == (1, 2)
     assert not walk.update_early and walk.x_latency == 0
     assert walk.out_transposed == walk.shared_scores == (ngroups == 1)
-    early = changed(pipeline, plan=changed(pipeline.plan, scan_out=changed(
-        walk, update_early=True, x_latency=WALK_X_LATENCY, out_transposed=False)))
-    early_out, early_final = early.walk(*early.cumsum())
+    before = changed(walk, out_transposed=False) if D else changed(
+        walk, update_early=True, x_latency=WALK_X_LATENCY, out_transposed=False)
+    old = changed(pipeline, plan=changed(pipeline.plan, scan_out=before))
+    old_out, old_final = old.walk(*old.cumsum())
     out, final = pipeline.walk(*pipeline.cumsum())
-    assert torch.equal(out, early_out)
-    assert torch.equal(final, early_final)
+    assert torch.equal(out, old_out)
+    assert torch.equal(final, old_final)
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
 

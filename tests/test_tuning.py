@@ -346,7 +346,9 @@ def test_the_unsplit_paired_walk_with_z_returning_final_states_updates_its_state
     (``ssd.walk_updates_early``), without x's hint, out transposed where they read the shared
     scores (8 heads a group or more) and in out's orientation where they compute their own
     (``ssd.walk_out_transposed``); from initial states, at one head a group, one block an SM or
-    at dstate 64 they update early; with D too, or out alone, late in out's orientation."""
+    at dstate 64 they update early. With D too they update late (as before), out transposed
+    reading the shared scores from no initial states; out alone with z stays in out's
+    orientation."""
     final = replace(anchor_key(), chunk_size=64, states_returned=True, z_dtype=bf16)
     for key in (final, replace(final, ngroups=8), replace(final, ngroups=16),
                 replace(final, ngroups=32), replace(final, dstate=100)):
@@ -362,10 +364,15 @@ def test_the_unsplit_paired_walk_with_z_returning_final_states_updates_its_state
         assert not plan.scan_out.out_transposed
     assert ssd.make_plan(replace(final, batch=2, seqlen=8192)).scan_out.occupancy is None
     assert ssd.make_plan(replace(final, dstate=64)).scan_out.occupancy == 2
-    for key in (replace(final, has_d=True), replace(final, states_returned=False)):
+    with_d = replace(final, has_d=True)
+    for key in (with_d, replace(with_d, d_per_channel=True), replace(with_d, ngroups=8),
+                replace(with_d, start_dtype=torch.float32), replace(with_d, ngroups=16),
+                replace(final, states_returned=False)):
         walk = ssd.make_plan(key).scan_out
-        assert walk.occupancy == 2 and walk.shared_scores
-        assert not walk.update_early and not walk.out_transposed
+        assert walk.occupancy == 2 and not walk.update_early
+        assert walk.out_transposed == (key.states_returned and key.start_dtype is None
+                                       and walk.shared_scores)
+        assert walk.shared_scores == (key.ngroups <= 8)
 
 
 def test_the_walk_hints_xs_load_latency_where_the_h200_ran_it_faster():
