@@ -1169,7 +1169,10 @@ def walks_states_backward(key: ProblemKey, n_pad: int) -> bool:
 # their own scores, 4 heads a group, 0.880-0.916x (8 x 4,096 and 8 x 2,048 x 64 heads, headdim
 # 128 in 8 groups; transposed 0.946-0.977x), reading the shared scores 0.956-0.961x with out
 # transposed (1.002-1.006x in out's orientation; walk_out_transposed). They keep the early
-# update at one head a group (1.007x, transposed 0.996x) and from initial states (1.305x).
+# update at one head a group (1.007x, transposed 0.996x) and from initial states (1.305x). As
+# dispatched since f45a613, against the early walk (ab_late_z_final_aab4aca.json): own scores
+# 0.896-0.922x (2 and 4 heads a group, headdim 128), the shared scores 0.957-0.966x; at one head
+# a group late and transposed 0.997x / 0.999x (ab_g64_ltr_aab4aca.json).
 WALK_LATE_PAIRED_Z_DSTATE = 128
 
 
