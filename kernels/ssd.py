@@ -1165,14 +1165,12 @@ def walks_states_backward(key: ProblemKey, n_pad: int) -> bool:
 # and D 1.018-1.045x late, D alone 1.120x, out alone 1.194x; with z one block an SM
 # 0.997-1.000x and at dstate 64 1.001x. Unsplit with final states the same walks (paired at
 # dstate 128, z, no D) ran faster updating late on the H100 at be29531, outs and final states
-# bit-equal (reports/h100/experiments/ab_late_z_final_be29531.json, ab_late_z_final2_*): with
-# their own scores, 4 heads a group, 0.880-0.916x (8 x 4,096 and 8 x 2,048 x 64 heads, headdim
-# 128 in 8 groups; transposed 0.946-0.977x), reading the shared scores 0.956-0.961x with out
-# transposed (1.002-1.006x in out's orientation; walk_out_transposed). They keep the early
-# update at one head a group (1.007x, transposed 0.996x) and from initial states (1.305x). As
-# dispatched since f45a613, against the early walk (ab_late_z_final_aab4aca.json): own scores
-# 0.896-0.922x (2 and 4 heads a group, headdim 128), the shared scores 0.957-0.966x; at one head
-# a group late and transposed 0.997x / 0.999x (ab_g64_ltr_aab4aca.json).
+# bit-equal (reports/h100/experiments/ab_late_z_final_be29531.json, ab_late_z_final2_*; the
+# orientations timed there: walk_out_transposed). As dispatched since f45a613, against the early
+# walk (ab_late_z_final_aab4aca.json): own scores 0.896-0.922x (2 and 4 heads a group, headdim
+# 128), the shared scores 0.957-0.966x. They keep the early update at one head a group (late
+# 1.007x, late and transposed 0.997x / 0.999x: ab_g64_ltr_aab4aca.json) and from initial states
+# (1.305x).
 WALK_LATE_PAIRED_Z_DSTATE = 128
 
 
