@@ -5,14 +5,19 @@ Each xdist worker is its own process with its own caching allocator, so nothing 
 keeps six workers' float64 checks of 16,400-token problems (~20-26 GiB each) off one GPU at
 once: on the H200 at 0def9fb five such tests ran out of its 140 GiB among six workers and passed
 with fewer beside them (reports/h200/experiments/pytest_gpu_0def9fb.txt.gz). A slot is an
-exclusive ``flock`` on one of ``total memory // LARGE_GPU_PROBLEM_GIB`` files; the kernel drops
-it when its process ends, however it ends.
+exclusive ``flock`` on one of ``large_problem_slots`` files; the kernel drops it when its process
+ends, however it ends. The slots leave room for the run's other workers: their tests hold up to
+OTHER_WORKER_GIB each (the allocator's cache of whatever they ran), so that on the H100 at aab4aca
+two large tests at ~26-30 GiB beside two workers at 9-13 GiB ran its 79 GiB out at -n 4 (eleven
+tests, each passing at -n 2: reports/h100/experiments/pytest_gpu_half0_aab4aca.txt.gz). A second
+pytest run on the same GPU is not counted.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import gc
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +27,10 @@ import torch
 # A large test's peak in one process, CUDA context and the allocator's cache included: 26.4 GiB
 # the most seen on the H200 (a 112-pair split walk checked against float64).
 LARGE_GPU_PROBLEM_GIB = 30
+# What another xdist worker may hold while a large test runs. In the out-of-memory reports the
+# workers held 8.5-13.4 GiB beside 21.9-34.4 (the large tests, their allocators' caches included)
+# on the H100 at aab4aca, 3.9-14.8 beside 25.2-30.5 on the H200 at d677366 (-n 8).
+OTHER_WORKER_GIB = 15
 SLOTS_DIR = Path(tempfile.gettempdir()) / "mamba2-cutile-gpu-slots"
 
 
@@ -46,12 +55,20 @@ def hold_slot(folder: Path, device: str, slots: int, poll_s: float = 0.5):
         time.sleep(poll_s)
 
 
+def large_problem_slots(total_memory: int, workers: int) -> int:
+    """How many large tests may run at once on a GPU of ``total_memory`` bytes beside the run's
+    other ``workers - 1`` workers (OTHER_WORKER_GIB each): at least one."""
+    spare = total_memory - (workers - 1) * OTHER_WORKER_GIB * 2**30
+    return max(1, spare // (LARGE_GPU_PROBLEM_GIB * 2**30))
+
+
 @contextlib.contextmanager
 def large_gpu_problem_slot():
     """A slot on the current GPU for one large test; its memory goes back to the device (not
     only to this process's cache) before the slot is released."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    slots = max(1, props.total_memory // (LARGE_GPU_PROBLEM_GIB * 2**30))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    slots = large_problem_slots(props.total_memory, workers)
     with hold_slot(SLOTS_DIR, str(props.uuid), slots):
         try:
             yield

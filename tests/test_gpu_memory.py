@@ -7,7 +7,7 @@ import sys
 import threading
 from pathlib import Path
 
-from gpu_memory import hold_slot
+from gpu_memory import hold_slot, large_problem_slots
 
 
 def _waiter(folder, slots):
@@ -51,3 +51,17 @@ def test_a_slot_held_by_a_process_that_dies_is_free_again(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_large_tests_leave_each_other_worker_its_share_of_the_gpu():
+    gib = 2**30
+    h100, h200 = int(79.18 * gib), int(139.8 * gib)
+    # Two large tests beside two other workers ran the H100 out at -n 4 (the module docstring).
+    assert large_problem_slots(h100, 4) == 1
+    assert large_problem_slots(h100, 2) == 2
+    assert large_problem_slots(h100, 1) == 2
+    assert large_problem_slots(h200, 8) == 1
+    assert large_problem_slots(h200, 6) == 2
+    assert large_problem_slots(h200, 1) == 4
+    # However full the GPU, one large test still runs (alone, when the others are small).
+    assert large_problem_slots(16 * gib, 8) == 1
