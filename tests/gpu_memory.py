@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 # A large test's peak in one process, CUDA context and the allocator's cache included: 26.4 GiB
-# the most seen on the H200 (a 112-pair split walk checked against float64).
+# the most seen on the H200 (a 112-pair split walk checked against float64). A worker in the
+# out-of-memory reports below held up to 34.4, which may include its cache of earlier tests:
+# large_gpu_problem_slot now empties that cache before the test.
 LARGE_GPU_PROBLEM_GIB = 30
 # What another xdist worker may hold while a large test runs. In the out-of-memory reports the
 # workers held 8.5-13.4 GiB beside 21.9-34.4 (the large tests, their allocators' caches included)
@@ -64,14 +66,21 @@ def large_problem_slots(total_memory: int, workers: int) -> int:
 
 @contextlib.contextmanager
 def large_gpu_problem_slot():
-    """A slot on the current GPU for one large test; its memory goes back to the device (not
-    only to this process's cache) before the slot is released."""
+    """A slot on the current GPU for one large test. The process's cached memory goes back to
+    the device (not only to its allocator's cache) before the test, so that the test holds what
+    it needs and not also what the worker's earlier tests left cached, and again before the slot
+    is released."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     slots = large_problem_slots(props.total_memory, workers)
     with hold_slot(SLOTS_DIR, str(props.uuid), slots):
+        _return_cached_memory()
         try:
             yield
         finally:
-            gc.collect()
-            torch.cuda.empty_cache()
+            _return_cached_memory()
+
+
+def _return_cached_memory():
+    gc.collect()
+    torch.cuda.empty_cache()
