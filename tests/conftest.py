@@ -37,7 +37,7 @@ from properties.impls import IMPL_NAMES_HELP, ImplUnavailable, get_impl
 from properties.provenance import REPO_ROOT
 from properties.strategies import DTYPE_MIXES
 
-from gpu_memory import large_gpu_problem_slot
+from gpu_memory import gpu_test_memory
 
 PROFILE_ENV = "MAMBA2_CUTILE_PROFILE"
 IMPL_ENV = "MAMBA2_CUTILE_IMPL"
@@ -96,11 +96,12 @@ def _no_user_tuning_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _large_gpu_problem(request):
-    """Tests marked ``large_gpu_problem`` run only as many at once as the GPU's memory holds
+def _gpu_memory(request):
+    """GPU tests give their worker's cached memory back when they end, and those marked
+    ``large_gpu_problem`` run only as many at once as the GPU's memory holds
     (tests/gpu_memory.py)."""
-    if request.node.get_closest_marker("large_gpu_problem") and torch.cuda.is_available():
-        with large_gpu_problem_slot():
+    if request.node.get_closest_marker("gpu") and torch.cuda.is_available():
+        with gpu_test_memory(bool(request.node.get_closest_marker("large_gpu_problem"))):
             yield
     else:
         yield

@@ -9,8 +9,12 @@ exclusive ``flock`` on one of ``large_problem_slots`` files; the kernel drops it
 ends, however it ends. The slots leave room for the run's other workers: their tests hold up to
 OTHER_WORKER_GIB each (the allocator's cache of whatever they ran), so that on the H100 at aab4aca
 two large tests at ~26-30 GiB beside two workers at 9-13 GiB ran its 79 GiB out at -n 4 (eleven
-tests, each passing at -n 2: reports/h100/experiments/pytest_gpu_half0_aab4aca.txt.gz). A second
-pytest run on the same GPU is not counted.
+tests, each passing at -n 2: reports/h100/experiments/pytest_gpu_half0_aab4aca.txt.gz). That
+share holds only if a worker keeps no more than its running test needs: its allocator caches what
+every earlier test freed, so at 64b42b2 on the H100 two workers held 26-31 GiB between their small
+tests and four large tests ran out beside them (reports/h100/experiments/pytest_gpu_64b42b2.txt.gz);
+``gpu_test_memory`` gives that cache back after every GPU test. A second pytest run on the same GPU
+is not counted.
 """
 from __future__ import annotations
 
@@ -29,9 +33,11 @@ import torch
 # out-of-memory reports below held up to 34.4, which may include its cache of earlier tests:
 # large_gpu_problem_slot now empties that cache before the test.
 LARGE_GPU_PROBLEM_GIB = 30
-# What another xdist worker may hold while a large test runs. In the out-of-memory reports the
-# workers held 8.5-13.4 GiB beside 21.9-34.4 (the large tests, their allocators' caches included)
-# on the H100 at aab4aca, 3.9-14.8 beside 25.2-30.5 on the H200 at d677366 (-n 8).
+# What another xdist worker may hold while a large test runs: its running test's memory, its
+# cache given back after each test (gpu_test_memory). In the out-of-memory reports the workers
+# held 8.5-13.4 GiB beside 21.9-34.4 (the large tests, their allocators' caches included) on the
+# H100 at aab4aca, 3.9-14.8 beside 25.2-30.5 on the H200 at d677366 (-n 8), before any cache
+# was given back.
 OTHER_WORKER_GIB = 15
 SLOTS_DIR = Path(tempfile.gettempdir()) / "mamba2-cutile-gpu-slots"
 
@@ -79,6 +85,21 @@ def large_gpu_problem_slot():
             yield
         finally:
             _return_cached_memory()
+
+
+@contextlib.contextmanager
+def gpu_test_memory(large: bool):
+    """Around one GPU test: a large one runs in a slot (``large_gpu_problem_slot``); any other
+    gives its process's cached memory back when it ends, so that beside a large test each other
+    worker holds what its own running test needs, not the cache of the tests it ran before."""
+    if large:
+        with large_gpu_problem_slot():
+            yield
+        return
+    try:
+        yield
+    finally:
+        _return_cached_memory()
 
 
 def _return_cached_memory():

@@ -65,3 +65,19 @@ def test_large_tests_leave_each_other_worker_its_share_of_the_gpu():
     assert large_problem_slots(h200, 1) == 4
     # However full the GPU, one large test still runs (alone, when the others are small).
     assert large_problem_slots(16 * gib, 8) == 1
+
+
+def test_a_gpu_test_gives_its_cached_memory_back_when_it_ends(monkeypatch):
+    import gpu_memory
+    emptied = []
+    monkeypatch.setattr(gpu_memory.torch.cuda, "empty_cache", lambda: emptied.append(1))
+    with gpu_memory.gpu_test_memory(large=False):
+        assert emptied == []
+    assert emptied == [1]
+    # Also when the test fails: the worker's next tests run beside large ones all the same.
+    try:
+        with gpu_memory.gpu_test_memory(large=False):
+            raise AssertionError("the test failed")
+    except AssertionError:
+        pass
+    assert emptied == [1, 1]
