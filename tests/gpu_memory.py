@@ -2,7 +2,7 @@
 on the machine (xdist workers, or two runs side by side).
 
 Each xdist worker is its own process with its own caching allocator, so nothing inside torch
-keeps six workers' float64 checks of 16,400-token problems (~20-26 GiB each) off one GPU at
+keeps six workers' float64 checks of 16,400-token problems (up to 53 GiB each) off one GPU at
 once: on the H200 at 0def9fb five such tests ran out of its 140 GiB among six workers and passed
 with fewer beside them (reports/h200/experiments/pytest_gpu_0def9fb.txt.gz). A slot is an
 exclusive ``flock`` on one of ``large_problem_slots`` files; the kernel drops it when its process
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-# A large test's peak in one process, CUDA context and the allocator's cache included: 26.4 GiB
-# the most seen on the H200 (a 112-pair split walk checked against float64). A worker in the
-# out-of-memory reports below held up to 34.4, which may include its cache of earlier tests:
-# large_gpu_problem_slot now empties that cache before the test.
-LARGE_GPU_PROBLEM_GIB = 30
+# A large test's peak in one process, CUDA context and the allocator's cache included: 53.2 GiB
+# the most sampled (nvidia-smi each second) on the H100 at 7548d42, three of the split walks'
+# tests (reports/h100/experiments/gpu_memory_samples_7548d42.csv.gz). The 26.4 GiB that an
+# out-of-memory report on the H200 showed was a test's memory where it failed, not its peak.
+LARGE_GPU_PROBLEM_GIB = 56
 # What another xdist worker may hold while a large test runs: its running test's memory, its
 # cache given back after each test (gpu_test_memory). In the out-of-memory reports the workers
 # held 8.5-13.4 GiB beside 21.9-34.4 (the large tests, their allocators' caches included) on the

@@ -29,7 +29,7 @@ requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device")
 CASES = grid(full=os.environ.get(FULL_GRID_ENV) == "1")
 # How many times the hinted walks run against the unhinted one (a longer determinism run: 200).
 HINT_RUNS_ENV = "MAMBA2_CUTILE_HINT_RUNS"
-# 16,400 tokens and more checked against float64: ~20-26 GiB a test (tests/gpu_memory.py).
+# 16,400 tokens and more checked against float64: up to 53 GiB a test (tests/gpu_memory.py).
 large = pytest.mark.large_gpu_problem
 
 
