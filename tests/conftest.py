@@ -100,8 +100,9 @@ def _gpu_memory(request):
     """GPU tests give their worker's cached memory back when they end, and those marked
     ``large_gpu_problem`` run only as many at once as the GPU's memory holds
     (tests/gpu_memory.py)."""
-    if request.node.get_closest_marker("gpu") and torch.cuda.is_available():
-        with gpu_test_memory(bool(request.node.get_closest_marker("large_gpu_problem"))):
+    large = request.node.get_closest_marker("large_gpu_problem") is not None
+    if (large or request.node.get_closest_marker("gpu")) and torch.cuda.is_available():
+        with gpu_test_memory(large):
             yield
     else:
         yield

@@ -7,7 +7,7 @@ once: on the H200 at 0def9fb five such tests ran out of its 140 GiB among six wo
 with fewer beside them (reports/h200/experiments/pytest_gpu_0def9fb.txt.gz). A slot is an
 exclusive ``flock`` on one of ``large_problem_slots`` files; the kernel drops it when its process
 ends, however it ends. The slots leave room for the run's other workers: their tests hold up to
-OTHER_WORKER_GIB each (the allocator's cache of whatever they ran), so that on the H100 at aab4aca
+OTHER_WORKER_GIB each (their running test's memory), so that on the H100 at aab4aca
 two large tests at ~26-30 GiB beside two workers at 9-13 GiB ran its 79 GiB out at -n 4 (eleven
 tests, each passing at -n 2: reports/h100/experiments/pytest_gpu_half0_aab4aca.txt.gz). That
 share holds only if a worker keeps no more than its running test needs: its allocator caches what

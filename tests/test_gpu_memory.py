@@ -1,5 +1,5 @@
-"""The slots that keep large GPU tests from running one GPU's memory out (tests/gpu_memory.py):
-the locks themselves, on the CPU."""
+"""What keeps GPU tests from running one GPU's memory out (tests/gpu_memory.py), on the CPU: the
+large tests' slots, their locks and counts, and the cache every GPU test gives back."""
 from __future__ import annotations
 
 import subprocess
@@ -7,6 +7,9 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
+import gpu_memory
 from gpu_memory import hold_slot, large_problem_slots
 
 
@@ -70,16 +73,12 @@ def test_large_tests_leave_each_other_worker_its_share_of_the_gpu():
 
 
 def test_a_gpu_test_gives_its_cached_memory_back_when_it_ends(monkeypatch):
-    import gpu_memory
     emptied = []
     monkeypatch.setattr(gpu_memory.torch.cuda, "empty_cache", lambda: emptied.append(1))
     with gpu_memory.gpu_test_memory(large=False):
         assert emptied == []
     assert emptied == [1]
     # Also when the test fails: the worker's next tests run beside large ones all the same.
-    try:
-        with gpu_memory.gpu_test_memory(large=False):
-            raise AssertionError("the test failed")
-    except AssertionError:
-        pass
+    with pytest.raises(AssertionError), gpu_memory.gpu_test_memory(large=False):
+        raise AssertionError("the test failed")
     assert emptied == [1, 1]
