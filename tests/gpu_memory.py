@@ -7,9 +7,9 @@ once: on the H200 at 0def9fb five such tests ran out of its 140 GiB among six wo
 with fewer beside them (reports/h200/experiments/pytest_gpu_0def9fb.txt.gz). A slot is an
 exclusive ``flock`` on one of ``large_problem_slots`` files; the kernel drops it when its process
 ends, however it ends. The slots leave room for the run's other workers: their tests hold up to
-OTHER_WORKER_GIB each (their running test's memory), so that on the H100 at aab4aca
-two large tests at ~26-30 GiB beside two workers at 9-13 GiB ran its 79 GiB out at -n 4 (eleven
-tests, each passing at -n 2: reports/h100/experiments/pytest_gpu_half0_aab4aca.txt.gz). That
+OTHER_WORKER_GIB each (their running test's memory). On the H100 at aab4aca two large tests at
+~26-30 GiB beside two workers at 9-13 GiB ran its 79 GiB out at -n 4 (eleven tests, each passing
+at -n 2: reports/h100/experiments/pytest_gpu_half0_aab4aca.txt.gz). That
 share holds only if a worker keeps no more than its running test needs: its allocator caches what
 every earlier test freed, so at 64b42b2 on the H100 two workers held 26-31 GiB between their small
 tests and four large tests ran out beside them (reports/h100/experiments/pytest_gpu_64b42b2.txt.gz);
@@ -72,34 +72,25 @@ def large_problem_slots(total_memory: int, workers: int) -> int:
 
 @contextlib.contextmanager
 def large_gpu_problem_slot():
-    """A slot on the current GPU for one large test. The process's cached memory goes back to
-    the device (not only to its allocator's cache) before the test, so that the test holds what
-    it needs and not also what the worker's earlier tests left cached, and again before the slot
-    is released."""
+    """A slot on the current GPU for one large test."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     slots = large_problem_slots(props.total_memory, workers)
     with hold_slot(SLOTS_DIR, str(props.uuid), slots):
-        _return_cached_memory()
-        try:
-            yield
-        finally:
-            _return_cached_memory()
+        yield
 
 
 @contextlib.contextmanager
 def gpu_test_memory(large: bool):
-    """Around one GPU test: a large one runs in a slot (``large_gpu_problem_slot``); any other
-    gives its process's cached memory back when it ends, so that beside a large test each other
-    worker holds what its own running test needs, not the cache of the tests it ran before."""
-    if large:
-        with large_gpu_problem_slot():
+    """Around one GPU test, a large one in a slot (``large_gpu_problem_slot``): when it ends its
+    process's cached memory goes back to the device (not only to its allocator's cache), a large
+    test's before its slot is released, so that each worker holds what its own running test
+    needs, not the cache of the tests it ran before (a large test then starts with none)."""
+    with large_gpu_problem_slot() if large else contextlib.nullcontext():
+        try:
             yield
-        return
-    try:
-        yield
-    finally:
-        _return_cached_memory()
+        finally:
+            _return_cached_memory()
 
 
 def _return_cached_memory():
