@@ -64,7 +64,7 @@ from cuda.tile.compilation import ArrayConstraint, KernelSignature, export_kerne
 from kernels.contract import SSDProblem
 from kernels.device import tileiras_env, tileiras_path
 from kernels.ssd import (DEFAULT_CHUNK_SIZE, REFERENCE_CAPABILITY, STATE_SCAN_CHUNK_SIZE,
-                         ProblemKey, StagePipeline, make_plan)
+                         ProblemKey, StagePipeline, launch_stages, make_plan)
 from kernels.tile_ops import kernel_signature, launch_constraint
 
 TARGETS = ("sm_80", "sm_90", "sm_100")
@@ -321,6 +321,13 @@ COVERING_KEYS = (
      {"out": {"persistent": True}, "chunk_state": {"persistent": True}}),
     ("anchor-b8-L4096-h64-out-latency", _anchor(8, 4096, 64, 1), None, None,
      {"out": {"latency": 2}}),
+    # The walk computing its own cumsum (kernels.ssd.WALK_OWN_CUMSUM, an A/B knob), out alone at
+    # the first anchor with all of dt's processing on bf16 dt.
+    ("anchor-b8-L4096-h64-q64-out-only-own-cumsum",
+     replace(_anchor(8, 4096, 64, 1, dt_dtype=bf16, has_bias=True, softplus=True,
+                     has_limit=True), chunk_size=64, states_returned=False), None, None,
+     {"scan_out": {"own_cumsum": True, "dt_dtype": bf16, "has_bias": True, "softplus": True,
+                   "has_limit": True}}),
     ("anchor-b8-L4096-h64-out-occupancy4", _anchor(8, 4096, 64, 1), None, None,
      {"out": {"occupancy": 4}}),
     ("anchor-b8-L4096-h64-worker-warps8", _anchor(8, 4096, 64, 1), None, None,
@@ -415,9 +422,7 @@ def plan_launches(key: ProblemKey, plan) -> list[tuple]:
     pipeline = StagePipeline(problem, plan, problem.A.to(torch.float32), problem.seq_idx,
                              key.varlen)
     with recorded_launches() as launched:
-        dt, cumsum = pipeline.cumsum()
-        chunk_states, _, _ = pipeline.states(dt, cumsum)
-        pipeline.out(dt, cumsum, chunk_states)
+        launch_stages(pipeline)
     return launched
 
 
@@ -755,7 +760,7 @@ def compile_all(targets=TARGETS, jobs: int = 2, out_dir: str | None = None,
     return [result for results in per_task for result in results]
 
 
-_ONE_ELEMENT = re.compile(r"shape=\(\)|shape=\((1, )*1\)|reshape\(\((1, )*1\)\)")
+_ONE_ELEMENT = re.compile(r"shape=\(\)|shape=\((1, )*1,?\)|reshape\(\((1, )*1,?\)\)")
 _LOADED_ARRAY = re.compile(r"ct\.load\(\s*(\w+)")
 
 
