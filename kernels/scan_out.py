@@ -322,6 +322,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 hi, lo = hi_row.reshape((CHUNK,)), lo_row.reshape((CHUNK,))
                 hi_col = ct.extract(hi_cols, (0, k), shape=(CHUNK, 1))
                 lo_col = ct.extract(lo_cols, (0, k), shape=(CHUNK, 1))
+                dt_row = ct.extract(dt_all, (k, 0), shape=(1, CHUNK))
                 dt_col = ct.extract(dt_cols, (0, k), shape=(CHUNK, 1))
             else:
                 hi, lo = step_log2_cumsum(cumsum_all, k, CHUNK)
@@ -374,8 +375,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 else:
                     if OWN_CUMSUM:
                         exponent = log2_decay_between(hi_col, lo_col, hi_row, lo_row)
-                        weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0)
-                                       * ct.extract(dt_all, (k, 0), shape=(1, CHUNK)))
+                        weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_row)
                     else:
                         exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :],
                                                       lo[None, :])
