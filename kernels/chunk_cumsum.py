@@ -50,36 +50,6 @@ MAX_HEAD_BLOCK = 8
 MAX_GRID_Y = 65535
 
 
-@ct.function
-def processed_dt_log2_cumsum(raw_dt, bias, a, position, seqlen, dt_min, dt_max,
-                             HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
-                             HAS_LIMIT: ct.Constant[bool], AXIS: ct.Constant[int] = 1):
-    """(dt, hi, lo) float32, shaped as raw_dt: its chunks along AXIS (1: a chunk a row, 0: a chunk
-    a column) processed and scanned as the module docstring says. raw_dt float32; bias and a
-    (1,) or one a row (bias read only with HAS_BIAS); position, broadcastable to raw_dt: each
-    element's position in the sequence, zero dt from seqlen on. chunk_cumsum's whole computation,
-    so that the walk computing its own (kernels/scan_out.py, ``own_cumsum``) gets its values."""
-    step = raw_dt
-    if HAS_BIAS:
-        step = step + bias[:, None]
-    if SOFTPLUS:
-        step = softplus(step)
-    if HAS_LIMIT:
-        # propagate_nan: a NaN dt must stay NaN, not become the bound.
-        step = ct.minimum(ct.maximum(step, dt_min, propagate_nan=True), dt_max, propagate_nan=True)
-    step = ct.where(position < seqlen, step, 0.0)
-    # A > 0 (a growing state, which every later exp2 would clamp to a silently wrong decay) makes
-    # its head's cumsum NaN: what reaches the outputs where the host cannot refuse it first (CUDA
-    # graph capture, kernels/contract.py). An identity for A <= 0, whose bits are unchanged.
-    a = ct.where(a > 0.0, math.nan, a)
-    log2_decay = step * (a * LOG2_E)[:, None]
-    total = ct.cumsum(log2_decay.astype(ct.float64), axis=AXIS)
-    hi = total.astype(ct.float32)
-    # An infinite sum (dt = inf) leaves inf - inf = NaN in lo: its decay is exactly 0, keep hi.
-    lo = ct.where(ct.abs(hi) == math.inf, 0.0, (total - hi.astype(ct.float64)).astype(ct.float32))
-    return step, hi, lo
-
-
 def chunk_cumsum_kernel(dt, A, dt_bias, dt_out, log2_decay_cumsum, seqlen, nhead_blocks,
                         dt_min: float, dt_max: float,
                         CHUNK: ct.Constant[int], HEAD_BLOCK: ct.Constant[int],
@@ -93,13 +63,26 @@ def chunk_cumsum_kernel(dt, A, dt_bias, dt_out, log2_decay_cumsum, seqlen, nhead
     head_block = row_block % nhead_blocks
     step = ct.load(dt, (batch, chunk, head_block), shape=(1, CHUNK, HEAD_BLOCK),
                    padding_mode=ZERO).reshape((CHUNK, HEAD_BLOCK)).astype(ct.float32).transpose()
-    bias = ct.zeros((HEAD_BLOCK,), dtype=ct.float32)     # read only with HAS_BIAS
     if HAS_BIAS:
         bias = ct.load(dt_bias, (head_block,), shape=(HEAD_BLOCK,), padding_mode=ZERO)
+        step = step + bias[:, None]
+    if SOFTPLUS:
+        step = softplus(step)
+    if HAS_LIMIT:
+        # propagate_nan: a NaN dt must stay NaN, not become the bound.
+        step = ct.minimum(ct.maximum(step, dt_min, propagate_nan=True), dt_max, propagate_nan=True)
     position = chunk * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
+    step = ct.where(position[None, :] < seqlen, step, 0.0)
     a = ct.load(A, (head_block,), shape=(HEAD_BLOCK,), padding_mode=ZERO)
-    step, hi, lo = processed_dt_log2_cumsum(step, bias, a, position[None, :], seqlen, dt_min,
-                                            dt_max, HAS_BIAS, SOFTPLUS, HAS_LIMIT)
+    # A > 0 (a growing state, which every later exp2 would clamp to a silently wrong decay) makes
+    # its head's cumsum NaN: what reaches the outputs where the host cannot refuse it first (CUDA
+    # graph capture, kernels/contract.py). An identity for A <= 0, whose bits are unchanged.
+    a = ct.where(a > 0.0, math.nan, a)
+    log2_decay = step * (a * LOG2_E)[:, None]
+    total = ct.cumsum(log2_decay.astype(ct.float64), axis=1)
+    hi = total.astype(ct.float32)
+    # An infinite sum (dt = inf) leaves inf - inf = NaN in lo: its decay is exactly 0, keep hi.
+    lo = ct.where(ct.abs(hi) == math.inf, 0.0, (total - hi.astype(ct.float64)).astype(ct.float32))
     ct.store(dt_out, (batch, head_block, chunk, 0), step.reshape((1, HEAD_BLOCK, 1, CHUNK)))
     tile = (1, HEAD_BLOCK, 1, 1, CHUNK)
     ct.store(log2_decay_cumsum, (batch, head_block, chunk, 0, 0), hi.reshape(tile))

@@ -123,28 +123,14 @@ spill, 218,656 bytes; 32 heads out alone from initial states, in eight segments,
 SM: the states-only walk 128 registers, no spill, 114,920 bytes, the walk 128 registers, 16 bytes
 spilled, 101,040 bytes.
 Unsplit (``segmented`` False) it compiles to the machine code it had before the knob.
-
-Its own cumsum (``own_cumsum``, an A/B knob: ``kernels.ssd.WALK_OWN_CUMSUM``): the unsplit walk
-computes dt and its log2 cumsum from the call's raw dt each step, as chunk_cumsum would
-(``processed_dt_log2_cumsum``, the same function), and no chunk_cumsum launches. A per-position
-vector computed in registers is a scan's layout: broadcast as the decays' rows and columns it
-went through shared memory, 4x the step's instructions, 7.9-22.6x the time on the H200 (e7c1488,
-README 'Measured slower and not kept'). So each step scans twice, its chunks as rows (1, CHUNK)
-and as columns (CHUNK, 1), each orientation used where it broadcasts; on sm_90 the first
-anchor's walk then takes 128 registers, an 8-byte spill and 108,472 bytes of shared memory,
-two blocks an SM still fitting (84,680 bytes reading chunk_cumsum's). Not timed in that form.
-The loaded cumsum's expressions are left as they were: written through the same row and column
-tiles, they changed the compiled walks (fp16's out alone from no spill to 320 bytes on sm_90).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import cuda.tile as ct
 import torch
 
-from kernels.chunk_cumsum import processed_dt_log2_cumsum
 from kernels.chunk_scores import ChunkScoresConfig, chunk_scores
 from kernels.device import launch_stream
 from kernels.state_scan import add_state_backward, next_state, step_log2_cumsum
@@ -175,8 +161,7 @@ def step_rows(array, batch, step, head, p_block, ROWS: ct.Constant[int],
 
 
 def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, out, final_states,
-                    raw_dt, A, dt_bias, nchunks, nheads, heads_per_group, n_p_blocks, nsegments,
-                    segment_steps, seqlen, dt_min: float, dt_max: float,
+                    nchunks, nheads, heads_per_group, n_p_blocks, nsegments, segment_steps,
                     CHUNK: ct.Constant[int], P_BLOCK: ct.Constant[int], N_PAD: ct.Constant[int],
                     MODE: ct.Constant[int], HAS_START: ct.Constant[bool],
                     HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
@@ -185,10 +170,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     OUT: ct.Constant[bool], UPDATE_EARLY: ct.Constant[bool],
                     X_LATENCY: ct.Constant[int], B_LATENCY: ct.Constant[int],
                     BACKWARD: ct.Constant[bool], OUT_TRANSPOSED: ct.Constant[bool],
-                    D_ON_DIAGONAL: ct.Constant[bool], WEIGHTS_MODE: ct.Constant[int],
-                    OWN_CUMSUM: ct.Constant[bool], HAS_BIAS: ct.Constant[bool],
-                    SOFTPLUS: ct.Constant[bool], HAS_LIMIT: ct.Constant[bool],
-                    DT_HEADS: ct.Constant[int]):
+                    D_ON_DIAGONAL: ct.Constant[bool], WEIGHTS_MODE: ct.Constant[int]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -216,11 +198,6 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         d_head = ct.load(D, (head, 0), shape=(1, 1), padding_mode=ZERO)
     elif HAS_D:
         d = ct.load(D, (head, p_block), shape=(1, P_BLOCK), padding_mode=ZERO)
-    if OWN_CUMSUM:
-        a_head = ct.load(A, (head,), shape=(1,), padding_mode=ZERO)
-        bias_head = a_head
-        if HAS_BIAS:
-            bias_head = ct.load(dt_bias, (head,), shape=(1,), padding_mode=ZERO)
     position = ct.arange(CHUNK, dtype=ct.int32)
     sees = position[None, :] <= position[:, None]
     sees_transposed = position[:, None] <= position[None, :]
@@ -256,28 +233,10 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         if X_COLS_LOADED:
             x_cols_all = load_transposed(x, batch, step, head, p_block, STEP * CHUNK, P_BLOCK,
                                          True, 0)
-        if OWN_CUMSUM:
-            # 16 bytes of heads a row loaded (a TMA copy; the head's column alone, 4 bytes a
-            # row, is a plain load), the head's column extracted, then scanned as rows and as
-            # columns ('Its own cumsum' above).
-            raw_head = ct.extract(
-                ct.load(raw_dt, (batch, step, head // DT_HEADS),
-                        shape=(1, STEP * CHUNK, DT_HEADS), padding_mode=ZERO),
-                (0, 0, head % DT_HEADS), shape=(1, STEP * CHUNK, 1)).reshape(
-                    (STEP, CHUNK)).astype(ct.float32)
-            walked = (step * (STEP * CHUNK)
-                      + ct.arange(STEP * CHUNK, dtype=ct.int32)).reshape((STEP, CHUNK))
-            dt_all, hi_all, lo_all = processed_dt_log2_cumsum(
-                raw_head, bias_head, a_head, walked, seqlen, dt_min, dt_max, HAS_BIAS, SOFTPLUS,
-                HAS_LIMIT, 1)
-            dt_cols, hi_cols, lo_cols = processed_dt_log2_cumsum(
-                raw_head.transpose(), bias_head, a_head, walked.transpose(), seqlen, dt_min,
-                dt_max, HAS_BIAS, SOFTPLUS, HAS_LIMIT, 0)
-        else:
-            dt_all = ct.load(dt, (batch, head, step, 0), shape=(1, 1, STEP, CHUNK),
-                             padding_mode=ZERO).reshape((STEP, CHUNK))
-            cumsum_all = ct.load(log2_decay_cumsum, (batch, head, step, 0, 0),
-                                 shape=(1, 1, STEP, 2, CHUNK), padding_mode=ZERO)
+        dt_all = ct.load(dt, (batch, head, step, 0), shape=(1, 1, STEP, CHUNK),
+                         padding_mode=ZERO).reshape((STEP, CHUNK))
+        cumsum_all = ct.load(log2_decay_cumsum, (batch, head, step, 0, 0),
+                             shape=(1, 1, STEP, 2, CHUNK), padding_mode=ZERO)
         if HAS_Z and OUT:
             z_all = step_rows(z, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, 0)
         if SHARED_SCORES and OUT:
@@ -314,18 +273,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
             else:
                 x_cols = x_c.transpose()
             dt_c = ct.extract(dt_all, (k, 0), shape=(1, CHUNK)).reshape((CHUNK,))
-            if OWN_CUMSUM:
-                # Rows (1, CHUNK) and columns (CHUNK, 1) of the two scans, as out's decays
-                # broadcast them; the vectors for the state update.
-                hi_row = ct.extract(hi_all, (k, 0), shape=(1, CHUNK))
-                lo_row = ct.extract(lo_all, (k, 0), shape=(1, CHUNK))
-                hi, lo = hi_row.reshape((CHUNK,)), lo_row.reshape((CHUNK,))
-                hi_col = ct.extract(hi_cols, (0, k), shape=(CHUNK, 1))
-                lo_col = ct.extract(lo_cols, (0, k), shape=(CHUNK, 1))
-                dt_row = ct.extract(dt_all, (k, 0), shape=(1, CHUNK))
-                dt_col = ct.extract(dt_cols, (0, k), shape=(CHUNK, 1))
-            else:
-                hi, lo = step_log2_cumsum(cumsum_all, k, CHUNK)
+            hi, lo = step_log2_cumsum(cumsum_all, k, CHUNK)
             if OUT:
                 if SHARED_SCORES:
                     s = ct.extract(s_all, (0, k, 0, 0, 0),
@@ -337,18 +285,10 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 # The chunk's output: the entering state's term, then the chunk's own positions.
                 # OUT_TRANSPOSED: out^T (P_BLOCK, CHUNK), the state the first MMA's operand in
                 # registers ('Orientation' above), turned back before D, z and the store.
-                if OUT_TRANSPOSED and OWN_CUMSUM:
-                    y = precise_mma(h, C_c.transpose(),
-                                    ct.zeros((P_BLOCK, CHUNK), dtype=ct.float32), MODE,
-                                    x.dtype) * exp2_nonpos(hi_row + lo_row)
-                elif OUT_TRANSPOSED:
+                if OUT_TRANSPOSED:
                     y = precise_mma(h, C_c.transpose(),
                                     ct.zeros((P_BLOCK, CHUNK), dtype=ct.float32), MODE,
                                     x.dtype) * exp2_nonpos(hi + lo)[None, :]
-                elif OWN_CUMSUM:
-                    y = precise_mma(C_c, h.transpose(),
-                                    ct.zeros((CHUNK, P_BLOCK), dtype=ct.float32), MODE,
-                                    x.dtype) * exp2_nonpos(hi_col + lo_col)
                 else:
                     y = precise_mma(C_c, h.transpose(),
                                     ct.zeros((CHUNK, P_BLOCK), dtype=ct.float32), MODE,
@@ -359,28 +299,17 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK,
                                    N_PAD, CHUNK)
                 if OUT_TRANSPOSED:
-                    if OWN_CUMSUM:
-                        exponent = log2_decay_between(hi_row, lo_row, hi_col, lo_col)
-                        weights = s.transpose() * (ct.where(sees_transposed,
-                                                            exp2_nonpos(exponent), 0.0) * dt_col)
-                    else:
-                        exponent = log2_decay_between(hi[None, :], lo[None, :], hi[:, None],
-                                                      lo[:, None])
-                        weights = s.transpose() * (ct.where(sees_transposed,
-                                                            exp2_nonpos(exponent), 0.0)
-                                                   * dt_c[:, None])
+                    exponent = log2_decay_between(hi[None, :], lo[None, :], hi[:, None],
+                                                  lo[:, None])
+                    weights = s.transpose() * (ct.where(sees_transposed, exp2_nonpos(exponent),
+                                                        0.0) * dt_c[:, None])
                     if HAS_D and D_ON_DIAGONAL:
                         weights = weights + ct.where(diagonal, d_head, 0.0)
                     y = precise_mma(x_cols, weights, y, WEIGHTS_MODE, x.dtype).transpose()
                 else:
-                    if OWN_CUMSUM:
-                        exponent = log2_decay_between(hi_col, lo_col, hi_row, lo_row)
-                        weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_row)
-                    else:
-                        exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :],
-                                                      lo[None, :])
-                        weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0)
-                                       * dt_c[None, :])
+                    exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :],
+                                                  lo[None, :])
+                    weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
                     if HAS_D and D_ON_DIAGONAL:
                         weights = weights + ct.where(diagonal, d_head, 0.0)
                     y = precise_mma(weights, x_c, y, WEIGHTS_MODE, x.dtype)
@@ -411,7 +340,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
 
 # x, z, out, B, C and the states can pass 2^31 elements: 64-bit indexing in the wide variant.
 KERNELS = index_variants(scan_out_kernel, ("x", "B", "C", "scores", "start_states", "z", "out",
-                                           "final_states", "raw_dt"))
+                                           "final_states"))
 
 
 @dataclass(frozen=True)
@@ -460,14 +389,6 @@ class ScanOutConfig(KernelVariant):
     # The mode of the MMA of out's in-chunk weights with x ('The weights' MMA' above): "" the
     # walk's (``precision``), else a PRECISIONS name.
     weights_precision: str = ""
-    # The walk computes dt and its log2 cumsum from the raw dt itself ('Its own cumsum' above),
-    # instead of reading chunk_cumsum's outputs. dt's dtype and which of bias, softplus and
-    # limit apply (chunk_cumsum's config's) matter only then.
-    own_cumsum: bool = False
-    dt_dtype: torch.dtype = torch.float32
-    has_bias: bool = False
-    softplus: bool = False
-    has_limit: bool = False
 
     def __post_init__(self):
         if self.d_term not in D_TERMS:
@@ -487,10 +408,7 @@ class ScanOutConfig(KernelVariant):
                 self.has_d, self.has_z, self.shared_scores, self.chunks_per_step,
                 MODE[self.state_precision], self.segmented, self.computes_out, self.update_early,
                 self.x_latency, self.b_latency, self.backward, self.out_transposed,
-                self.d_term != "elementwise", self.weights_mode, self.own_cumsum,
-                self.has_bias, self.softplus, self.has_limit,
-                # dt's load: 16 bytes of heads a row ('Its own cumsum' above).
-                16 // self.dt_dtype.itemsize if self.own_cumsum else 1)
+                self.d_term != "elementwise", self.weights_mode)
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""
@@ -508,11 +426,8 @@ class ScanOutConfig(KernelVariant):
             array_constraint(f32, 4), array_constraint(f32, 5),
             array_constraint(self.start_dtype, 4, w), array_constraint(f32, 2),
             array_constraint(self.z_dtype, 4, w), array_constraint(self.x_dtype, 4, w),
-            array_constraint(f32, 4, w),
-            array_constraint(self.dt_dtype if self.own_cumsum else f32, 3, w),
-            array_constraint(f32, 1), array_constraint(f32, 1),
-            *(scalar_constraint(i32) for _ in range(7)), scalar_constraint(f32),
-            scalar_constraint(f32), *self.constants()])
+            array_constraint(f32, 4, w), *(scalar_constraint(i32) for _ in range(6)),
+            *self.constants()])
 
     def describe(self) -> str:
         return (f"scan_out x={self.x_dtype} B={self.b_dtype} C={self.c_dtype} z={self.z_dtype} "
@@ -523,21 +438,16 @@ class ScanOutConfig(KernelVariant):
                 f"step={self.chunks_per_step} segmented={self.segmented} "
                 f"out={self.computes_out} backward={self.backward} "
                 f"transposed={self.out_transposed} d_term={self.d_term} "
-                f"weights={self.weights_precision or self.precision}"
-                + (f" own-cumsum dt={self.dt_dtype} bias={self.has_bias} "
-                   f"softplus={self.softplus} limit={self.has_limit}" if self.own_cumsum else ""))
+                f"weights={self.weights_precision or self.precision}")
 
 
 def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutConfig,
-             stream=None, segments: int = 1, segment_steps: int = 0, A=None, dt_bias=None,
-             dt_limit=(0.0, math.inf)):
+             stream=None, segments: int = 1, segment_steps: int = 0):
     """(out, final_states); see the module docstring. D (H, P) fp32 or None; z, start_states
     or None. stream: where to launch (default: the current stream of the inputs' device). With
     ``cfg.segmented``, the blocks walk ``segments`` segments of ``segment_steps`` steps from the
     sequence's start: start_states (b * segments, H, P, N) and final_states likewise, a row per
-    (batch row, segment). Without ``cfg.computes_out``, out is None. With ``cfg.own_cumsum``, dt
-    is the call's dt (b, L, H), log2_decay_cumsum None, and A, dt_bias and dt_limit are as
-    chunk_cumsum takes them."""
+    (batch row, segment). Without ``cfg.computes_out``, out is None."""
     if (D is not None and cfg.d_term != "elementwise" and D.shape[1] > 1
             and D.stride(1) != 0):
         raise ValueError(f"scan_out: d_term {cfg.d_term!r} puts D per head on the weights' "
@@ -553,13 +463,6 @@ def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutCon
     npb = -(-P // cfg.p_block)
     scores = (chunk_scores(B, C, x, cfg.scores_config(), stream) if cfg.shared_scores
               else placeholder(dev, f32, 5))
-    if cfg.own_cumsum:
-        raw_dt, A32 = dt, A.to(f32)
-        bias = A32 if dt_bias is None else dt_bias.to(f32)   # A stands in: never read
-        dt, log2_decay_cumsum = placeholder(dev, f32, 4), placeholder(dev, f32, 5)
-    else:
-        raw_dt, A32 = placeholder(dev, f32, 3), placeholder(dev, f32, 1)
-        bias = A32
     ct.launch(stream, (b * segments * H * npb,), cfg.kernel,
               (x, B, C, scores, dt, log2_decay_cumsum,
                start_states if start_states is not None else placeholder(dev, f32, 4),
@@ -567,6 +470,6 @@ def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutCon
                # An absent z's stand-in is not x: an array aliasing x puts the loop's loads in
                # an alias set of two, and then cuTile orders its stores one after another.
                z if z is not None else placeholder(dev, x.dtype, 4), out, final_states,
-               raw_dt, A32, bias, -(-L // cfg.chunk_size), H, H // B.shape[2], npb, segments,
-               segment_steps, L, float(dt_limit[0]), float(dt_limit[1]), *cfg.constants()))
+               -(-L // cfg.chunk_size), H, H // B.shape[2], npb, segments, segment_steps,
+               *cfg.constants()))
     return (out if cfg.computes_out else None), final_states

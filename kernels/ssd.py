@@ -622,18 +622,10 @@ class Plan:
     segment_split: int = 1
     entering_states: Optional[EnteringStatesConfig] = None
 
-    def __post_init__(self):
-        if self.scan_out is not None and self.scan_out.own_cumsum and self.walk_segments != 1:
-            raise ValueError(f"Plan: a walk with own_cumsum computes the cumsum only for itself; "
-                             f"expected one segment (the split walk's other kernels read "
-                             f"chunk_cumsum's), got walk_segments={self.walk_segments}")
-
     def named_configs(self) -> tuple[tuple[str, object], ...]:
-        """(kernel name, config) in launch order; chunk_cumsum's not where the walk computes its
-        own cumsum; the scores kernel only when compute_out shares its scores
-        (kernels/chunk_scores.py)."""
-        own_cumsum = self.scan_out is not None and self.scan_out.own_cumsum
-        named = [] if own_cumsum else [("chunk_cumsum", self.cumsum)]
+        """(kernel name, config) in launch order; the scores kernel only when compute_out shares
+        its scores (kernels/chunk_scores.py)."""
+        named = [("chunk_cumsum", self.cumsum)]
         if self.segment_states is not None:
             named += [("segment_states", self.segment_states),
                       ("entering_states", self.entering_states)]
@@ -1276,22 +1268,6 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     return states_mode
 
 
-# Whether the unsplit walk computes dt and its log2 cumsum itself (``ScanOutConfig.own_cumsum``):
-# chunk_cumsum's launch gone, ~5% of the first anchor's replay on the H200, about what the
-# issue's 40% needs. An A/B knob (``mamba2-cutile ab --arm "own ssd.WALK_OWN_CUMSUM=true"``), not
-# yet timed in this form: its first form lost 7.9-22.6x (e7c1488, README 'Measured slower');
-# this one compiles for sm_90 at the first anchor to 128 registers, an 8-byte spill and 108,472
-# bytes of shared memory (84,680 dispatched), two blocks an SM still fitting; with out not
-# transposed it spills up to 2.7 KB (README, Next).
-WALK_OWN_CUMSUM = False
-
-
-def walk_own_cumsum(segments: int) -> bool:
-    """Whether the walk computes dt and its log2 cumsum itself: unsplit (a split walk's
-    states-only walk and entering states read chunk_cumsum's)."""
-    return WALK_OWN_CUMSUM and segments == 1
-
-
 def walk_dispatch(key: ProblemKey, mode: str, states_mode: str, sms: int,
                   capability: int) -> tuple[Optional[str], Optional[int], int]:
     """(state update mode, occupancy hint, segments) of the walk where it takes the call on
@@ -1417,9 +1393,6 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                  key.z_dtype is not None,
                                  not split and walk_states_mode != mode
                                  and key.start_dtype is None))
-        if walk_own_cumsum(segments):
-            walk = replace(walk, own_cumsum=True, dt_dtype=key.dt_dtype, has_bias=key.has_bias,
-                           softplus=key.softplus, has_limit=key.has_limit)
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
@@ -1507,10 +1480,6 @@ class StagePipeline:
         segment) and the segments' entering states."""
         p, plan = self.problem, self.plan
         segments, split = plan.walk_segments, plan.segment_split
-        if plan.scan_out.own_cumsum:     # unsplit (Plan.__post_init__)
-            return scan_out(p.x, p.B, p.C, p.dt, None, p.initial_states, self._d(), p.z,
-                            plan.scan_out, stream, A=self.A, dt_bias=p.dt_bias,
-                            dt_limit=p.dt_limit)
         if segments == 1:
             return scan_out(p.x, p.B, p.C, dt, log2_cumsum, p.initial_states, self._d(), p.z,
                             plan.scan_out, stream)
@@ -1573,8 +1542,7 @@ def run_stages(problem: SSDProblem, state_dtype=None, precision: Optional[str] =
                varlen: Optional[bool] = None, states_returned: Optional[bool] = None,
                chunk_states: bool = False) -> SSDResult:
     """All three kernels on a validated problem; every stage in ``stages`` (chunk_states None
-    where the walk of kernels/scan_out.py runs, unless ``chunk_states`` asks for them; dt and
-    log2_decay_cumsum None where it computes its own cumsum, ``ssd.WALK_OWN_CUMSUM``)."""
+    where the walk of kernels/scan_out.py runs, unless ``chunk_states`` asks for them)."""
     return launch_stages(stage_pipeline(problem, state_dtype, precision, varlen, states_returned,
                                         chunk_states))
 
@@ -1585,19 +1553,15 @@ def launch_stages(pipeline: StagePipeline) -> SSDResult:
     # ~650 us a profiled b1 L512 call took there, which small problems pay in full
     # (reports/h200/experiments/host_profile_cc5b8d4.txt).
     stream = launch_stream(pipeline.problem.x)
-    walk = pipeline.plan.scan_out
-    # A walk that computes its own cumsum leaves no dt or cumsum stage.
-    dt, log2_cumsum = ((None, None) if walk is not None and walk.own_cumsum
-                       else pipeline.cumsum(stream))
-    if walk is not None:
+    dt, log2_cumsum = pipeline.cumsum(stream)
+    if pipeline.plan.scan_out is not None:
         chunk_states = varlen_states = None
         out, final_states = pipeline.walk(dt, log2_cumsum, stream)
     else:
         chunk_states, final_states, varlen_states = pipeline.states(dt, log2_cumsum, stream)
         out = pipeline.out(dt, log2_cumsum, chunk_states, stream)
     return SSDResult(out=out, final_states=final_states, varlen_states=varlen_states,
-                     stages={"dt": dt, "log2_decay_cumsum": (None if log2_cumsum is None
-                                                             else log2_cumsum[..., 0, :]),
+                     stages={"dt": dt, "log2_decay_cumsum": log2_cumsum[..., 0, :],
                              "chunk_states": chunk_states})
 
 

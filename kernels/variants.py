@@ -321,13 +321,6 @@ COVERING_KEYS = (
      {"out": {"persistent": True}, "chunk_state": {"persistent": True}}),
     ("anchor-b8-L4096-h64-out-latency", _anchor(8, 4096, 64, 1), None, None,
      {"out": {"latency": 2}}),
-    # The walk computing its own cumsum (kernels.ssd.WALK_OWN_CUMSUM, an A/B knob), out alone at
-    # the first anchor with all of dt's processing on bf16 dt.
-    ("anchor-b8-L4096-h64-q64-out-only-own-cumsum",
-     replace(_anchor(8, 4096, 64, 1, dt_dtype=bf16, has_bias=True, softplus=True,
-                     has_limit=True), chunk_size=64, states_returned=False), None, None,
-     {"scan_out": {"own_cumsum": True, "dt_dtype": bf16, "has_bias": True, "softplus": True,
-                   "has_limit": True}}),
     ("anchor-b8-L4096-h64-out-occupancy4", _anchor(8, 4096, 64, 1), None, None,
      {"out": {"occupancy": 4}}),
     ("anchor-b8-L4096-h64-worker-warps8", _anchor(8, 4096, 64, 1), None, None,

@@ -785,47 +785,6 @@ def test_the_walk_split_into_segments_passes_the_rule_and_agrees_with_the_unspli
 
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("dtype, batch, seqlen, nheads, D, z, final_states, flip, dt", [
-    ("bf16", 4, 2048, 64, None, False, False, False, {}),
-    ("bf16", 4, 2048, 64, None, False, False, True, {}),
-    ("bf16", 2, 1100, 66, "head", False, True, False,
-     dict(dt_bias=True, dt_softplus=True, dt_limit=(1e-3, 0.1), param_dtype="bf16")),
-    ("bf16", 4, 2048, 64, "channel", True, False, True, dict(dt_bias=True, dt_softplus=True)),
-    ("fp16", 4, 1100, 64, None, False, True, False, dict(dt_softplus=True))])
-def test_a_walk_that_computes_its_own_cumsum_gives_the_same_bits(
-        dtype, batch, seqlen, nheads, D, z, final_states, flip, dt):
-    """The walk computing dt and its log2 cumsum itself (``ssd.WALK_OWN_CUMSUM``, an A/B knob;
-    kernels/scan_out.py 'Its own cumsum') against the dispatched walk reading chunk_cumsum's: out
-    and final states equal bit for bit, with and without dt's bias, softplus and limit, fp32
-    and bf16 dt, a chunk's part last, 66 heads (not a multiple of the 8 bf16 heads its dt load
-    takes), out transposed and not (``flip``: the dispatched orientation flipped in both), bf16
-    and fp16. Bit for bit because both sum the chunk's float32 terms in float64, where sums of
-    terms this close in magnitude are exact in any order."""
-    from dataclasses import replace as changed
-
-    from kernels.ssd import launch_stages
-    from properties.ab import dispatch_rules
-    spec = ProblemSpec(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
-                       chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D=D, z=z,
-                       return_final_states=final_states, **dt)
-    problem = build_problem(spec, "cuda")
-    base = stage_pipeline(problem, states_returned=final_states)
-    with dispatch_rules({("WALK_OWN_CUMSUM", None): True}):
-        own = stage_pipeline(problem, states_returned=final_states)
-    assert own.plan.scan_out.own_cumsum and not base.plan.scan_out.own_cumsum
-    if flip:
-        base, own = (changed(p, plan=changed(p.plan, scan_out=changed(
-            p.plan.scan_out, out_transposed=not p.plan.scan_out.out_transposed)))
-                     for p in (base, own))
-    expected, result = launch_stages(base), launch_stages(own)
-    assert result.stages["dt"] is None and result.stages["log2_decay_cumsum"] is None
-    assert torch.equal(result.out, expected.out)
-    if final_states:
-        assert torch.equal(result.final_states, expected.final_states)
-
-
-@pytest.mark.gpu
-@requires_gpu
 @pytest.mark.parametrize("knob, dtype, batch, seqlen, nheads, dstate, D, z, final_states", [
     large_case("update_early", "bf16", 1, 16400, 48, 128, "channel", False, False),
     large_case("update_early", "bf16", 1, 65600, 16, 128, "channel", True, False),

@@ -212,40 +212,6 @@ def test_the_plans_of_drawn_calls_compile_within_the_target(target):
         pytest.fail("\n\n".join(failed), pytrace=False)
 
 
-def test_a_walk_computing_its_own_cumsum_launches_no_chunk_cumsum():
-    """``ssd.WALK_OWN_CUMSUM`` (an A/B knob, kernels/scan_out.py 'Its own cumsum'): the unsplit
-    walk takes the call's raw dt, A and dt_bias with dt's processing flags and no chunk_cumsum
-    launches; off, the walk's flags stay off (one compiled variant whatever dt's processing); a
-    split walk keeps chunk_cumsum, and a plan that would split an own-cumsum walk is refused."""
-    from kernels.scan_out import scan_out_kernel
-    from properties import ab
-    key = ab.case_key(ab.parse_case("8,4096,64,64,128,1 dt_bias=true dt_softplus=true "
-                                    "param_dtype=bf16", 64).spec)
-    names = list(inspect.signature(scan_out_kernel).parameters)
-    problem = launch_problem(key)
-    for own in (False, True):
-        with ab.dispatch_rules({("WALK_OWN_CUMSUM", None): own}):
-            plan = ssd.make_plan(key)
-        kernels = [kernel for _, kernel, _ in variants.plan_launches(key, plan)]
-        assert [name for name, _ in plan.named_configs()] == (
-            ["chunk_scores", "scan_out"] if own else ["chunk_cumsum", "chunk_scores", "scan_out"])
-        assert (plan.cumsum.kernel in kernels) == (not own)
-        walk, = [dict(zip(names, args, strict=True))
-                 for _, kernel, args in variants.plan_launches(key, plan)
-                 if kernel is plan.scan_out.kernel]
-        assert (walk["OWN_CUMSUM"], walk["HAS_BIAS"], walk["SOFTPLUS"], walk["HAS_LIMIT"],
-                walk["DT_HEADS"]) == ((True, True, True, False, 8) if own
-                                      else (False, False, False, False, 1))
-        assert (walk["raw_dt"].shape == problem.dt.shape) == own
-        assert (walk["seqlen"], walk["dt"].dim(), walk["log2_decay_cumsum"].dim()) == (4096, 4, 5)
-    split_key = ab.case_key(ab.parse_case("1,65536,64,64,128,1", 64).spec)
-    with ab.dispatch_rules({("WALK_OWN_CUMSUM", None): True}):
-        split = ssd.make_plan(split_key)
-    assert split.walk_segments > 1 and not split.scan_out.own_cumsum
-    with pytest.raises(ValueError, match="own_cumsum.*expected one segment.*walk_segments=2"):
-        split.with_knobs({"scan_out": {"own_cumsum": True}})
-
-
 @pytest.mark.parametrize("d", ["head", "channel"])
 def test_d_on_the_weights_diagonal_takes_d_per_head_only(d):
     """``ScanOutConfig.d_term`` (an A/B knob, kernels/scan_out.py 'D's term'): the walk launched
