@@ -753,7 +753,7 @@ def compile_all(targets=TARGETS, jobs: int = 2, out_dir: str | None = None,
     return [result for results in per_task for result in results]
 
 
-_ONE_ELEMENT = re.compile(r"shape=\(\)|shape=\((1, )*1,?\)|reshape\(\((1, )*1,?\)\)")
+_ONE_ELEMENT = re.compile(r"shape=\(\)|shape=\((1, )*1\)|reshape\(\((1, )*1\)\)")
 _LOADED_ARRAY = re.compile(r"ct\.load\(\s*(\w+)")
 
 
