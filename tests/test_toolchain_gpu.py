@@ -1,15 +1,17 @@
 """What the cuTile toolchain gets wrong, pinned where a kernel author would meet it.
 
 tileiras 13.4.92 (cuda-tile 1.7.0) on sm_90: a loop that carries two loaded tiles into the next
-iteration (each loaded a step ahead, ``next = ct.load(...)`` at step t, used at step t + 1) uses
-the one it stores as the value loaded in the iteration, not the carried one: y_t = 2 x_(t+1), where
-the tile that feeds the MMA comes out right. Each tile carried alone is right, and so is the same
-loop loading both in their own step. Found in the walk of out's x a step ahead (session 89's
-H100 note in the README, branch exp/walk-prefetch-x); the Tile IR cuTile writes carries the two
-values correctly, so the fault is tileiras'. The kernels here carry no two loaded tiles
-(kernels/fwd_pass_state.py carries a converted increment and a scalar weight, both checked
-against float64 in tests/test_kernels_gpu.py). A strict xfail: a toolchain that fixes it fails
-this test, the sign that the pattern is safe again.
+iteration (each loaded a step ahead, ``next = ct.load(...)`` at step t, used at step t + 1) gets one
+of them wrong: the tile it stores holds the iteration's own load, not the carried one (y_t = 2
+x_(t+1)), while the tile that feeds the MMA comes out right. The same loop loading both in its own
+step is right, and in the walk of out either tile carried alone was (prefetch_x 1 and 2 in the
+record). Found with the walk of out's x a step ahead (session 89's H100 note in the README, branch
+exp/walk-prefetch-x, reports/h100/experiments/carried_tiles_<commit>.txt). The Tile IR cuTile writes
+for this kernel carries the two values correctly, so the fault is tileiras'. Of the project's
+kernels only the state passing (kernels/fwd_pass_state.py) carries loaded tiles, a chunk's weight
+and increment, both used elementwise, and its chunk states and outputs are checked against float64
+in tests/test_kernels_gpu.py. A strict xfail: a toolchain that fixes the fault fails this test, the
+sign that the pattern is safe again.
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ def carried_tiles_walk(x, B, h_out, y_out, nsteps, ORDERED: ct.Constant[bool],
     ct.store(h_out, (head, 0, 0), h.reshape((1, P, N)))
 
 
-MISCOMPILED = pytest.mark.xfail(strict=True, reason=(
+MISCOMPILED = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "tileiras 13.4.92: with two loaded tiles carried across the iteration the stored one is the "
     "iteration's own load (y_t = 2 x_(t+1)); module docstring"))
 
