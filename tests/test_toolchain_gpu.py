@@ -53,9 +53,11 @@ def carried_tile_walk(x, B, h_out, y_out, nsteps, WITH_MMA: ct.Constant[bool],
     ct.store(h_out, (head, 0, 0), h.reshape((1, P, N)))
 
 
-MISCOMPILED = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "tileiras 13.4.92: in a loop with an MMA, a tile carried from the iteration before holds the "
-    "iteration's own load (y_t = 2 x_(t+1)); module docstring"))
+# Seen on sm_90 only (H100): elsewhere the test expects the right values, unknown until run there.
+SM90 = HAS_GPU and torch.cuda.get_device_capability()[0] == 9
+MISCOMPILED = pytest.mark.xfail(condition=SM90, strict=True, raises=AssertionError, reason=(
+    "tileiras 13.4.92 on sm_90: in a loop with an MMA, a tile carried from the iteration before "
+    "holds the iteration's own load (y_t = 2 x_(t+1)); module docstring"))
 
 
 @pytest.mark.gpu
