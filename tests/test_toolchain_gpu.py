@@ -10,7 +10,8 @@ own step, a carried tile in a loop without an MMA, one carried tile feeding an M
 reports/h100/experiments/carried_tiles_d49f458.txt has the variants and the Tile IR, which carries
 the values as the source says: the fault is tileiras'). The project's kernels carry no loaded tile
 across an iteration of a loop with an MMA (the state passing of kernels/fwd_pass_state.py carries
-its next weight and increment, in a loop without one). A strict xfail: a toolchain that fixes the
+its next weight and increment, in a loop without one). tileiras 13.5.37 compiles it just as wrong
+(reports/h100/experiments/tileiras_13_5_7fd313b.txt). A strict xfail: a toolchain that fixes the
 fault fails this test, the sign that the pattern is safe again.
 """
 from __future__ import annotations
