@@ -1248,8 +1248,8 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     float32 one in '3xbf16' (``WALK_MODES``) at chunk STATE_SCAN_CHUNK_SIZE, with
     SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, or fewer split in ``segments``
     (``walk_segments``) where ``walk_takes_few_pairs``, dstate up to the mode's
-    ``walk_max_dstate`` on a GPU of compute ``capability`` (the state in registers), no packed
-    sequences, not both z and D unless the walk's blocks run paired (``walk_occupancy``), and no
+    ``walk_max_dstate`` on a GPU of compute ``capability`` (the state in registers), packed
+    sequences only unsplit and without per-sequence starts or varlen states, not both z and D unless the walk's blocks run paired (``walk_occupancy``), and no
     chunk states handed back. The state update is in the mode ``state_precision`` gives the
     chunk states (out alone, 'input' (bf16), '2xfp16' or '3xbf16'; returning final states, their
     float32-grade mode), or, one block an SM, in the one WALK_STATE_UPDATE_MODES names for it at
@@ -1259,7 +1259,8 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
                  or walk_takes_few_pairs(key, mode, segments))
             and next_pow2(key.dstate) <= walk_max_dstate(mode, capability)
-            and key.seq_dtype is None and not key.per_seq_start and not key.varlen
+            and (key.seq_dtype is None or segments == 1)
+            and not key.per_seq_start and not key.varlen
             and not key.chunk_states_returned
             and (occupancy == 2 or not (key.has_d and key.z_dtype is not None))):
         return None
@@ -1392,7 +1393,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                  mode, occupancy, shared_scores, n_pad, early, key.has_d,
                                  key.z_dtype is not None,
                                  not split and walk_states_mode != mode
-                                 and key.start_dtype is None))
+                                 and key.start_dtype is None),
+                             seq_dtype=key.seq_dtype)
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
@@ -1482,7 +1484,7 @@ class StagePipeline:
         segments, split = plan.walk_segments, plan.segment_split
         if segments == 1:
             return scan_out(p.x, p.B, p.C, dt, log2_cumsum, p.initial_states, self._d(), p.z,
-                            plan.scan_out, stream)
+                            plan.scan_out, stream, seq_idx=self.seq_idx)
         # Parts of whole steps, ``split`` a segment (kernels/entering_states.py).
         steps = -(-p.seqlen // (plan.scan_out.chunk_size * plan.scan_out.chunks_per_step))
         part_steps = -(-steps // (segments * split))

@@ -699,6 +699,62 @@ def test_the_dispatched_scan_out_passes_the_rule(D, z, dstate, final_states, dty
     assert not record["violations"], record["violations"]
 
 
+def _packed_rows(batch: int, seqlen: int, dtype: torch.dtype) -> torch.Tensor:
+    """seq_idx (batch, seqlen): row r starts sequences at positions (r * 37 + k * 101) % seqlen
+    for k < r (row 0 one sequence), plus 1, 63, 64 and 130 in odd rows: resets mid-chunk, at a
+    chunk's first and last positions and at position 1 (a one-token sequence)."""
+    starts = torch.zeros(batch, seqlen, dtype=torch.int64)
+    for row in range(batch):
+        for k in range(row):
+            starts[row, (row * 37 + k * 101) % seqlen] = 1
+        if row % 2:
+            starts[row, [1, 63, 64, 130]] = 1
+    starts[:, 0] = 0
+    return starts.cumsum(1).to(dtype)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype, batch, initial_states, final_states, D, z, seq_dtype", [
+    ("bf16", 8, False, False, None, False, torch.int32),
+    ("bf16", 8, True, True, "head", False, torch.int64),
+    ("bf16", 8, True, False, "channel", True, torch.int32),
+    ("bf16", 2, True, True, None, False, torch.int32),
+    ("bf16", 2, False, False, None, True, torch.int64),
+    ("fp16", 8, True, True, None, False, torch.int32)])
+def test_packed_sequences_walk_and_pass_the_rule(dtype, batch, initial_states, final_states, D,
+                                                 z, seq_dtype):
+    """seq_idx over rows of 64 heads (``_packed_rows``) at chunk_size None: the walk of
+    kernels/scan_out.py unsplit (two blocks an SM at 8 rows, one at 2), from initial states
+    (the row's first sequence's), with final states (the row's last sequence's), D, z, in bf16
+    and fp16; out and the final states held to the rule against float64 over 15 chunks, the
+    last partial, and equal to what chunk 256's two state kernels and compute_out compute to
+    16-bit roundings."""
+    from kernels.device import compute_capability
+    from kernels.ssd import default_chunk_size
+    spec = ProblemSpec(batch=batch, seqlen=900, nheads=64, headdim=64, dstate=128, ngroups=1,
+                       chunk_size=64, x_dtype=dtype, bc_dtype=dtype, D=D, z=z,
+                       initial_states=initial_states, return_final_states=final_states)
+    plain = build_problem(spec, "cuda")
+    problem = plain.with_tensors(seq_idx=_packed_rows(batch, 900, seq_dtype).cuda())
+    assert default_chunk_size(problem) == 64
+    sm90 = compute_capability(problem.x.device) // 10 == 9
+    walk = stage_pipeline(problem, states_returned=final_states).plan.scan_out
+    assert walk is not None and walk.seq_dtype == seq_dtype and not walk.segmented
+    assert walk.occupancy == (2 if batch == 8 and (dtype == "bf16" or sm90) else None)
+    record = check_problem(problem, with_mamba=False)
+    assert not record["violations"], record["violations"]
+    kwargs = problem.call_kwargs()
+    ours = ssd_forward(**{**kwargs, "chunk_size": None})
+    theirs = ssd_forward(**{**kwargs, "chunk_size": 256})
+    if not final_states:
+        ours, theirs = (ours,), (theirs,)
+    for name, a, b in zip(("out", "final_states"), ours, theirs):
+        a, b = a.double(), b.double()
+        tol = relation_tolerance(problem.x.dtype, float(b.abs().max()))
+        assert float((a - b).abs().max()) <= tol, name
+
+
 @pytest.mark.gpu
 @requires_gpu
 def test_the_fp16_walk_one_block_an_sm_at_dstate_64_passes_the_rule():

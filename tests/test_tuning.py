@@ -293,6 +293,32 @@ def test_calls_returning_final_states_walk_with_float32_grade_increments():
                                  cu_dtype=torch.int32, nseq=2)).scan_out is None
 
 
+def test_packed_sequences_walk_unsplit_only():
+    """Packed sequences (seq_idx, or cu_seqlens without per-sequence starts or varlen states)
+    from 128 (row, head) pairs: the walk unsplit, as without them, reading seq_idx in its
+    dtype; below 128 pairs, where the walk would split the sequence (a segment's entering state
+    would carry the resets of the segments before it), and the fused state scan (64 to 127
+    pairs), neither takes them: chunk 256's kernels (the test above)."""
+    fused = replace(anchor_key(), chunk_size=64, states_returned=False)
+    for seq_dtype in (torch.int32, torch.int64):
+        for change in ({}, dict(batch=2), dict(states_returned=True, start_dtype=torch.float32)):
+            plain = ssd.make_plan(replace(fused, **change))
+            packed = ssd.make_plan(replace(fused, seq_dtype=seq_dtype, **change))
+            assert packed.scan_out == replace(plain.scan_out, seq_dtype=seq_dtype), change
+            assert [n for n, _ in packed.named_configs()] == [
+                n for n, _ in plain.named_configs()]
+    one_row = dict(batch=1, nheads=128, seq_dtype=torch.int32, cu_dtype=torch.int32, nseq=3)
+    assert ssd.make_plan(replace(fused, **one_row)).scan_out.seq_dtype == torch.int32
+    for change in (dict(per_seq_start=True, start_dtype=torch.float32), dict(varlen=True)):
+        assert ssd.make_plan(replace(fused, **one_row, **change)).scan_out is None, change
+    long_row = replace(fused, batch=1, seqlen=65536)
+    assert ssd.make_plan(long_row).walk_segments > 1
+    packed_long = ssd.make_plan(replace(long_row, seq_dtype=torch.int32))
+    assert packed_long.scan_out is None and packed_long.state_scan is None
+    with pytest.raises(ValueError, match="seq_dtype: expected None for a segmented"):
+        replace(ssd.make_plan(long_row).scan_out, seq_dtype=torch.int32)
+
+
 def test_the_walk_updates_its_state_early_where_the_h200_ran_it_faster():
     """bf16 walks of out split into segments or returning final states update the state right
     after the entering state's term and load x last (``ssd.walk_updates_early``); out alone
@@ -805,7 +831,8 @@ def test_a_fused_record_makes_an_entry_of_the_scan_and_compute_out(tmp_path, mon
 def test_the_two_state_kernels_keep_what_the_scan_does_not_take(change):
     """Fewer than 64 (row, head) pairs where the walk does not take them (too short to split),
     returned states (float32-grade sums) where it does not (64 pairs too short to split), packed
-    sequences, float32 x, or an explicit chunk 256: chunk_state and the state passing."""
+    sequences where the walk does not take them (fewer than 128 pairs), float32 x, or an
+    explicit chunk 256: chunk_state and the state passing."""
     key = anchor_key()
     problem_changes = {}
     if change == "long_single_row":
@@ -814,7 +841,7 @@ def test_the_two_state_kernels_keep_what_the_scan_does_not_take(change):
         key = replace(key, batch=1, seqlen=1024)
         problem_changes = dict(return_final_states=True)
     elif change == "seq_idx":
-        key = replace(key, seq_dtype=torch.int32)
+        key = replace(key, batch=1, seq_dtype=torch.int32)
     elif change == "fp32":
         key = replace(key, x_dtype=torch.float32, b_dtype=torch.float32, c_dtype=torch.float32)
     if change != "chunk_256":
