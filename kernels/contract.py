@@ -33,8 +33,9 @@ non-finite argument.
 Decay: every exponent dt*A must be <= 0 (the kernels clamp exponents to <= 0 before exp2, so a
 growing state would come out silently wrong). A > 0 is always refused (nheads values are read).
 On the GPU reading them back stalls the host until all queued work is done, and the GPU then
-idles while the kernels are launched; ``defer_decay_check=True`` (what ``ssd_forward`` uses)
-queues their copy to pinned memory behind an event instead, and ``SSDProblem.confirm_decay``
+idles while the kernels are launched; ``defer_value_checks=True`` (what ``ssd_forward`` uses)
+queues their copy to pinned memory behind an event instead (with seq_idx's verdicts where
+cu_seqlens is not given, ``ValueChecks``), and ``SSDProblem.confirm_values``
 waits for that event only (not for the kernels launched since), takes the verdict on the host and
 raises before any output is returned.
 Under CUDA graph capture (``torch.cuda.graph``) nothing can be read back: A's values are not read,
@@ -99,14 +100,15 @@ class SSDProblem:
     dt_limit: tuple[float, float] = (0.0, math.inf)
     return_final_states: bool = False
     return_varlen_states: bool = False
-    decay_check: Optional["DecayCheck"] = None
+    value_checks: Optional["ValueChecks"] = None
     # validate's call_signature of the call (None: it had none); never compared.
     signature: Optional[tuple] = field(default=None, compare=False, repr=False)
 
-    def confirm_decay(self) -> None:
-        """Raise SSDInputError if a deferred A <= 0 check failed (a no-op when none is pending)."""
-        if self.decay_check is not None:
-            self.decay_check.confirm()
+    def confirm_values(self) -> None:
+        """Raise SSDInputError if a deferred check of A's or seq_idx's values failed (a no-op
+        when none is pending)."""
+        if self.value_checks is not None:
+            self.value_checks.confirm()
 
     @property
     def batch(self) -> int:
@@ -194,28 +196,38 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-class DecayCheck:
-    """A's values copied to (pinned) host memory behind an event when A is on the GPU; the A <= 0
-    verdict is taken on the host at ``confirm``. No kernel of its own: on the H200's host the
+class ValueChecks:
+    """The checks that read values back from the GPU, copied to (pinned) host memory behind one
+    event; the verdicts are taken on the host at ``confirm``. A's nheads values (A <= 0), and,
+    for seq_idx without cu_seqlens (whose offsets the host reads anyway), two booleans computed
+    on the GPU: a decreasing step, a negative value. No kernel of A's own: on the H200's host the
     comparison and reduction on the GPU cost 27 us a call, the copy of A's nheads values 7 us
-    (reports/h200/experiments/host_parts_2302d94.txt). ``captured``: under CUDA graph capture,
-    no verdict (module docstring, 'Decay')."""
+    (reports/h200/experiments/host_parts_2302d94.txt); seq_idx's read back at once stalled the
+    host until all queued work was done, so that a packed call's kernels waited on its host path
+    (reports/h100/experiments/packed_walk_87b34e5.txt). ``captured``: under CUDA graph capture,
+    no verdict (module docstring, 'Decay'; seq_idx is refused there)."""
 
-    def __init__(self, A: torch.Tensor, captured: bool = False):
-        self.values, self.ready = A, None
+    def __init__(self, A: torch.Tensor, seq_idx: Optional[torch.Tensor] = None,
+                 captured: bool = False):
+        self.values, self.seq_flags, self.ready = A, None, None
+        if seq_idx is not None:
+            self.seq_flags = _seq_idx_verdicts(seq_idx)
         if captured:
-            self.values = None
+            self.values = self.seq_flags = None
         elif A.is_cuda:
-            self.values = torch.empty(A.shape, dtype=A.dtype, pin_memory=True)
-            self.values.copy_(A, non_blocking=True)
+            self.values = _pinned_copy(A)
+            if self.seq_flags is not None:
+                self.seq_flags = _pinned_copy(self.seq_flags)
             self.ready = torch.cuda.Event()
             self.ready.record(torch.cuda.current_stream(A.device))
 
     def confirm(self) -> None:
-        if self.values is None:
-            return
         if self.ready is not None:
             self.ready.synchronize()
+        if self.seq_flags is not None:
+            _confirm_seq_idx(self.seq_flags)
+        if self.values is None:
+            return
         growing = self.values > 0
         if bool(growing.any()):
             head = int(growing.nonzero()[0, 0])
@@ -223,10 +235,29 @@ class DecayCheck:
                         f"A[{head}] = {float(self.values[head])}")
 
 
+def _seq_idx_verdicts(seq_idx: torch.Tensor) -> torch.Tensor:
+    """(a decreasing step, a negative value) of seq_idx, on its device."""
+    return torch.stack(((seq_idx[:, 1:] < seq_idx[:, :-1]).any(), (seq_idx < 0).any()))
+
+
+def _confirm_seq_idx(verdicts: torch.Tensor) -> None:
+    decreasing, negative = verdicts.tolist()
+    if decreasing:
+        raise _fail("seq_idx", "non-decreasing values along seqlen", "a decreasing step")
+    if negative:
+        raise _fail("seq_idx", "non-negative values", "a negative value")
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` copied to pinned host memory, queued on the current stream."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
 # Signatures of calls that passed validate's checks (call_signature). A call of the same
 # signature passes them again: they read its arguments' types, shapes, dtypes and devices and its
 # options, and values only of seq_idx, cu_seqlens and (check_finite) every input, which such calls
-# are given no signature for. A's values are read on every call (DecayCheck).
+# are given no signature for. A's values are read on every call (ValueChecks).
 _PASSED: set = set()
 PASSED_MAX = 1024
 # Options memoized by value: anything else (a tensor as a bound, say) leaves the call unsigned.
@@ -263,9 +294,10 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
              return_final_states=False, return_varlen_states=False, *,
              supported_chunk_sizes: Optional[Sequence[int]] = None,
              check_finite: bool = False, implementation: str = "this implementation",
-             defer_decay_check: bool = False) -> SSDProblem:
+             defer_value_checks: bool = False) -> SSDProblem:
     """Check every argument of an SSD forward call; raise SSDInputError or return the SSDProblem.
-    defer_decay_check: leave the A <= 0 verdict to ``SSDProblem.confirm_decay`` (module docstring).
+    defer_value_checks: leave the A <= 0 verdict, and seq_idx's where cu_seqlens is not given,
+    to ``SSDProblem.confirm_values`` (module docstring, 'Decay').
     A call whose ``call_signature`` passed before skips the checks that read no values."""
     captured = isinstance(x, torch.Tensor) and capturing(x)
     if captured:
@@ -282,32 +314,35 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
             (x, dt, A, B, C, D, z, dt_bias, initial_states),
             (chunk_size, dt_limit, dt_softplus, return_final_states, return_varlen_states,
              None if supported_chunk_sizes is None else tuple(supported_chunk_sizes)))
+    # seq_idx's values read with A's (ValueChecks) where nothing else reads one back.
+    defer_seq_values = defer_value_checks and seq_idx is not None and cu_seqlens is None
     if signature is None or signature not in _PASSED:
         _check_call(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                     cu_seqlens, dt_softplus, dt_limit, return_varlen_states,
-                    supported_chunk_sizes, check_finite, implementation)
+                    supported_chunk_sizes, check_finite, implementation, not defer_seq_values)
         if signature is not None:
             if len(_PASSED) >= PASSED_MAX:
                 _PASSED.clear()
             _PASSED.add(signature)
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
-    decay_check = DecayCheck(A, captured)
-    if not defer_decay_check:
-        decay_check.confirm()
-        decay_check = None
+    value_checks = ValueChecks(A, seq_idx if defer_seq_values else None, captured)
+    if not defer_value_checks:
+        value_checks.confirm()
+        value_checks = None
 
     return SSDProblem(x=x, dt=dt, A=A, B=B, C=C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
                       initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
                       dt_softplus=bool(dt_softplus), dt_limit=(lo, hi),
                       return_final_states=bool(return_final_states),
-                      return_varlen_states=bool(return_varlen_states), decay_check=decay_check,
+                      return_varlen_states=bool(return_varlen_states), value_checks=value_checks,
                       signature=signature)
 
 
 def _check_call(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                 dt_softplus, dt_limit, return_varlen_states, supported_chunk_sizes, check_finite,
-                implementation) -> None:
-    """validate's checks: raise SSDInputError naming the first argument outside the contract."""
+                implementation, seq_values=True) -> None:
+    """validate's checks: raise SSDInputError naming the first argument outside the contract;
+    seq_idx's values too where ``seq_values`` (else ValueChecks reads them)."""
     act = "float32, float16 or bfloat16"
     if not isinstance(x, torch.Tensor):
         raise _fail("x", "a torch.Tensor", type(x).__name__)
@@ -368,11 +403,8 @@ def _check_call(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_i
             raise _fail("cu_seqlens", f"cu_seqlens[-1] == seqlen == {seqlen}", f"cu_seqlens[-1] == {cu[-1]}")
     if seq_idx is not None:
         _check_tensor("seq_idx", seq_idx, (batch, seqlen), INDEX_DTYPES, device, "int32 or int64")
-        steps = seq_idx[:, 1:] - seq_idx[:, :-1]
-        if bool((steps < 0).any()):
-            raise _fail("seq_idx", "non-decreasing values along seqlen", "a decreasing step")
-        if bool((seq_idx < 0).any()):
-            raise _fail("seq_idx", "non-negative values", "a negative value")
+        if seq_values:
+            _confirm_seq_idx(_seq_idx_verdicts(seq_idx))
         if cu_seqlens is not None:
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
             derived = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)

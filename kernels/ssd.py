@@ -1636,7 +1636,7 @@ def ssd_forward(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None,
                        return_final_states=return_final_states,
                        return_varlen_states=return_varlen_states,
                        supported_chunk_sizes=SUPPORTED_CHUNK_SIZES,
-                       implementation="the cuTile kernels", defer_decay_check=True)
+                       implementation="the cuTile kernels", defer_value_checks=True)
     problem, graded = NoBackward.detached(problem)
     if graded and torch.is_grad_enabled():
         launch = functools.partial(_launch_validated, problem, chunk_size is None, state_dtype,
@@ -1671,8 +1671,8 @@ def _launch_validated(problem: SSDProblem, chunk_picked: bool, state_dtype, prec
         # A signed call packs no sequences: no seq_idx, no varlen states.
         pipeline = StagePipeline(problem, plan, problem.A.to(torch.float32), None, False)
     result = launch_stages(pipeline)
-    # The kernels are queued; the A <= 0 verdict decides whether their outputs are returned.
-    problem.confirm_decay()
+    # The kernels are queued; the A <= 0 verdict (and seq_idx's) decides whether their outputs are returned.
+    problem.confirm_values()
     return pack_outputs(problem, result.out, result.final_states, result.varlen_states)
 
 

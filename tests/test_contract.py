@@ -274,16 +274,27 @@ def test_a_growing_decay_is_refused_naming_the_head():
     validate(**{**D, "A": torch.zeros_like(A)})
 
 
-def test_a_deferred_decay_check_raises_at_confirmation_with_the_same_message():
-    """ssd_forward queues the kernels before reading the A verdict: validation passes, and
-    confirm_decay (called before any output is returned) raises what validate would have."""
-    A = D["A"].clone()
-    A[2] = 0.5
-    problem = validate(**{**D, "A": A}, defer_decay_check=True)
+@pytest.mark.parametrize("changes, arg, expected, given", [
+    (dict(A=torch.tensor([-1.0, -0.5, 0.5, -2.0])), "A", "values <= 0 (exp(dt*A) is a decay)",
+     "A[2] = 0.5"),
+    (dict(seq_idx=torch.tensor([[0] * 5 + [1] * 5, [0, 0, 2, 2, 1] + [3] * 5])), "seq_idx",
+     "non-decreasing values along seqlen", "a decreasing step"),
+    (dict(seq_idx=torch.tensor([[-1] * 5 + [0] * 5, [0] * 10])), "seq_idx",
+     "non-negative values", "a negative value")], ids=["A", "seq_idx_decreasing",
+                                                       "seq_idx_negative"])
+def test_a_deferred_value_check_raises_at_confirmation_with_the_same_message(changes, arg,
+                                                                           expected, given):
+    """ssd_forward queues the kernels before reading the A verdict and seq_idx's (without
+    cu_seqlens): validation passes, and confirm_values (called before any output is returned)
+    raises what validate would have."""
+    assert D["A"].shape == (4,)
+    check(refusal(D, **changes), arg, expected, given)
+    problem = validate(**{**D, **changes}, defer_value_checks=True)
     with pytest.raises(SSDInputError) as info:
-        problem.confirm_decay()
-    check(str(info.value), "A", "values <= 0 (exp(dt*A) is a decay)", "A[2] = 0.5")
-    validate(**D, defer_decay_check=True).confirm_decay()
+        problem.confirm_values()
+    check(str(info.value), arg, expected, given)
+    validate(**D, defer_value_checks=True).confirm_values()
+    validate(**P, defer_value_checks=True).confirm_values()
 
 
 def test_under_graph_capture_nothing_is_read_back_and_value_checks_are_refused(monkeypatch):
@@ -294,7 +305,7 @@ def test_under_graph_capture_nothing_is_read_back_and_value_checks_are_refused(m
     monkeypatch.setattr(contract, "capturing", lambda t: True)
     A = D["A"].clone()
     A[2] = 0.5
-    validate(**{**D, "A": A}, defer_decay_check=True).confirm_decay()
+    validate(**{**D, "A": A}, defer_value_checks=True).confirm_values()
     validate(**{**D, "A": A})
     during = "during CUDA graph capture"
     check(refusal(P), "seq_idx", during, "a tensor")

@@ -295,6 +295,25 @@ def test_growing_decay_on_the_gpu_raises_after_the_deferred_check():
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("bad, message", [
+    ([0, 0, 2, 1], r"^seq_idx: expected non-decreasing values .*, got a decreasing step$"),
+    ([-1, 0, 0, 0], r"^seq_idx: expected non-negative values, got a negative value$")])
+def test_a_bad_seq_idx_on_the_gpu_raises_after_the_deferred_check(bad, message):
+    """Without cu_seqlens ssd_forward queues the kernels before it reads seq_idx's verdicts (with
+    A's: kernels.contract.ValueChecks); it still raises what validate raises, and returns
+    nothing; a good seq_idx passes."""
+    p = _tiny("cuda")
+    seq_idx = torch.zeros(p.batch, p.seqlen, dtype=torch.int32, device="cuda")
+    seq_idx[-1, :4] = torch.tensor(bad)
+    with pytest.raises(SSDInputError, match=message):
+        ssd_forward(p.x, p.dt, p.A, p.B, p.C, 64, seq_idx=seq_idx)
+    seq_idx[-1, :4] = torch.tensor([0, 0, 1, 1])
+    seq_idx[-1, 4:] = 1
+    assert isinstance(ssd_forward(p.x, p.dt, p.A, p.B, p.C, 64, seq_idx=seq_idx), torch.Tensor)
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_inputs_requiring_grad_get_the_same_outputs_and_a_backward_that_raises():
     """A model's parameters (A, D, dt_bias) and activations (x) that require grad: the kernels
     take them (detached), under no_grad and with grad mode on; out and final states equal the
