@@ -1249,11 +1249,12 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, or fewer split in ``segments``
     (``walk_segments``) where ``walk_takes_few_pairs``, dstate up to the mode's
     ``walk_max_dstate`` on a GPU of compute ``capability`` (the state in registers), packed
-    sequences only unsplit and without per-sequence starts or varlen states, not both z and D unless the walk's blocks run paired (``walk_occupancy``), and no
-    chunk states handed back. The state update is in the mode ``state_precision`` gives the
-    chunk states (out alone, 'input' (bf16), '2xfp16' or '3xbf16'; returning final states, their
-    float32-grade mode), or, one block an SM, in the one WALK_STATE_UPDATE_MODES names for it at
-    the call's padded dstate."""
+    sequences only unsplit and without per-sequence starts or varlen states, not both z and D
+    unless the walk's blocks run paired (``walk_occupancy``), and no chunk states handed back.
+    The state update is in the mode ``state_precision`` gives the chunk states (out alone,
+    'input' (bf16), '2xfp16' or '3xbf16'; returning final states, their float32-grade mode), or,
+    one block an SM, in the one WALK_STATE_UPDATE_MODES names for it at the call's padded
+    dstate."""
     if not (WALK_MODES.get(mode) == str(key.x_dtype).removeprefix("torch.")
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
@@ -1671,7 +1672,8 @@ def _launch_validated(problem: SSDProblem, chunk_picked: bool, state_dtype, prec
         # A signed call packs no sequences: no seq_idx, no varlen states.
         pipeline = StagePipeline(problem, plan, problem.A.to(torch.float32), None, False)
     result = launch_stages(pipeline)
-    # The kernels are queued; the A <= 0 verdict (and seq_idx's) decides whether their outputs are returned.
+    # The kernels are queued; the verdicts on A's and seq_idx's values decide whether their
+    # outputs are returned.
     problem.confirm_values()
     return pack_outputs(problem, result.out, result.final_states, result.varlen_states)
 
