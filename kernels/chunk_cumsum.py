@@ -1,6 +1,6 @@
 """Stage 1: processed dt and its per-chunk inclusive log2 decay cumsum.
 
-    dt (b, L, H) fp32/bf16/fp16, A (H,) fp32, dt_bias (H,) fp32
+    dt (b, L, H) fp32/bf16/fp16, A (H,) fp32, dt_bias (H,) fp32, seq_idx (b, L) int or none
     -> dt_out (b, H, nchunks, Q) fp32:  clamp(softplus(dt + dt_bias), dt_min, dt_max), 0 past seqlen
        log2_decay_cumsum (b, H, nchunks, 2, Q) fp32:  inclusive cumsum S over each chunk of
        dt_out * A * log2(e), flat past seqlen (decays are exp2 of differences, never > 1), as
@@ -9,6 +9,17 @@
 
 One block per (chunk, batch row, block of HEAD_BLOCK heads); the chunk is one tile, so the cumsum
 is one in-register scan, in float64 (below).
+
+With seq_idx (packed sequences; ``ChunkCumsumConfig.seq_dtype``) each position where a sequence
+starts (but the row's first) adds RESET_LOG2_DECAY to its step's log2 decay: the decay into it
+from any earlier position is then 2^(<= -256), which float32's exp2 returns as 0, so every kernel
+that reads S resets the state there, as a decay of exactly 0 would: the carried state's term
+in out, the pairs (i, j) of two sequences, the state update's carry and its earlier positions, a
+segment's carry (kernels/entering_states.py). The walk of kernels/scan_out.py reads such an S
+and needs no sequence index of its own, nor any mask: a packed call runs the unpacked call's
+kernels. The dt_out it weights positions by is dt's own. Within a sequence a difference S_i -
+S_j subtracts the same resets twice: at most 64 a chunk, |S| < 2^15 more, which the float64 scan
+and the hi + lo split (below) hold to ~2^-30 absolute, as they hold the decay sums they carry.
 
 Why two parts: the kernels need differences S_i - S_j of nearby positions (the decay between
 them), and S reaches tens within a chunk under strong decay (|S| = 76 in 256 steps is a Mamba-2
@@ -35,7 +46,8 @@ import torch
 
 from kernels.device import launch_stream
 from kernels.tile_ops import (LOG2_E, KernelVariant, array_constraint, index_variants,
-                              kernel_signature, next_pow2, scalar_constraint, softplus)
+                              kernel_signature, next_pow2, placeholder, scalar_constraint,
+                              softplus)
 
 ZERO = ct.PaddingMode.ZERO
 # Heads per block. 8 rather than 32: four times the blocks for a scan that waits on its loads. On
@@ -48,13 +60,17 @@ MAX_HEAD_BLOCK = 8
 # (``flat_grid``), one dimension of up to 2^31 - 1 blocks, so that any batch launches. Only
 # there: the flat grid's index arithmetic has not been timed against the two-dimensional one.
 MAX_GRID_Y = 65535
+# What a sequence's start adds to its step's log2 decay: float32's exp2 returns 0 below -150,
+# whatever the decays summed with it (all <= 0), and 64 of them in a chunk keep |S| < 2^15.
+RESET_LOG2_DECAY = -256.0
 
 
-def chunk_cumsum_kernel(dt, A, dt_bias, dt_out, log2_decay_cumsum, seqlen, nhead_blocks,
-                        dt_min: float, dt_max: float,
+def chunk_cumsum_kernel(dt, A, dt_bias, seq_idx, dt_out, log2_decay_cumsum, seqlen,
+                        nhead_blocks, dt_min: float, dt_max: float,
                         CHUNK: ct.Constant[int], HEAD_BLOCK: ct.Constant[int],
                         HAS_BIAS: ct.Constant[bool], SOFTPLUS: ct.Constant[bool],
-                        HAS_LIMIT: ct.Constant[bool], FLAT_GRID: ct.Constant[bool]):
+                        HAS_LIMIT: ct.Constant[bool], FLAT_GRID: ct.Constant[bool],
+                        HAS_RESETS: ct.Constant[bool]):
     chunk, row_block = ct.bid(0), ct.bid(1)
     if FLAT_GRID:
         nchunks = (seqlen + CHUNK - 1) // CHUNK
@@ -79,6 +95,12 @@ def chunk_cumsum_kernel(dt, A, dt_bias, dt_out, log2_decay_cumsum, seqlen, nhead
     # graph capture, kernels/contract.py). An identity for A <= 0, whose bits are unchanged.
     a = ct.where(a > 0.0, math.nan, a)
     log2_decay = step * (a * LOG2_E)[:, None]
+    if HAS_RESETS:
+        # The row's first position starts no sequence: the start state is its sequence's.
+        starts = ((ct.gather(seq_idx, (batch, position))
+                   != ct.gather(seq_idx, (batch, ct.maximum(position - 1, 0))))
+                  & (position < seqlen))
+        log2_decay = log2_decay + ct.where(starts, RESET_LOG2_DECAY, 0.0)[None, :]
     total = ct.cumsum(log2_decay.astype(ct.float64), axis=1)
     hi = total.astype(ct.float32)
     # An infinite sum (dt = inf) leaves inf - inf = NaN in lo: its decay is exactly 0, keep hi.
@@ -90,7 +112,7 @@ def chunk_cumsum_kernel(dt, A, dt_bias, dt_out, log2_decay_cumsum, seqlen, nhead
 
 
 # dt and the two stage outputs are (b, L, H)-sized: beyond 2^31 positions x heads they need int64.
-KERNELS = index_variants(chunk_cumsum_kernel, ("dt", "dt_out", "log2_decay_cumsum"))
+KERNELS = index_variants(chunk_cumsum_kernel, ("dt", "seq_idx", "dt_out", "log2_decay_cumsum"))
 
 
 @dataclass(frozen=True)
@@ -108,16 +130,19 @@ class ChunkCumsumConfig(KernelVariant):
     wide: bool = False
     occupancy: int | None = None
     flat_grid: bool = False      # past MAX_GRID_Y rows x head blocks (``needs_flat_grid``)
+    # Packed sequences' resets in S (the module docstring): seq_idx's dtype, None without.
+    seq_dtype: torch.dtype | None = None
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.head_block, self.has_bias, self.softplus, self.has_limit,
-                self.flat_grid)
+                self.flat_grid, self.seq_dtype is not None)
 
     def signature(self):
         f32 = torch.float32
         return kernel_signature([
             array_constraint(self.dt_dtype, 3, self.wide), array_constraint(f32, 1),
-            array_constraint(f32, 1), array_constraint(f32, 4, self.wide),
+            array_constraint(f32, 1), array_constraint(self.seq_dtype or torch.int32, 2, self.wide),
+            array_constraint(f32, 4, self.wide),
             array_constraint(f32, 5, self.wide), scalar_constraint(torch.int32),
             scalar_constraint(torch.int32), scalar_constraint(f32), scalar_constraint(f32),
             *self.constants()])
@@ -125,7 +150,8 @@ class ChunkCumsumConfig(KernelVariant):
     def describe(self) -> str:
         return (f"chunk_cumsum dt={self.dt_dtype} Q={self.chunk_size} HB={self.head_block} "
                 f"bias={self.has_bias} softplus={self.softplus} limit={self.has_limit} "
-                f"int64={self.wide}" + (" flat-grid" if self.flat_grid else ""))
+                f"int64={self.wide}" + (" flat-grid" if self.flat_grid else "")
+                + (f" resets={self.seq_dtype}" if self.seq_dtype is not None else ""))
 
 
 def head_block_for(nheads: int) -> int:
@@ -139,15 +165,20 @@ def needs_flat_grid(batch: int, nheads: int) -> bool:
 
 
 def chunk_cumsum(dt: torch.Tensor, A: torch.Tensor, config: ChunkCumsumConfig, dt_bias=None,
-                 dt_limit=(0.0, math.inf), stream=None):
+                 dt_limit=(0.0, math.inf), stream=None, seq_idx=None):
     """(dt_out (b, H, nchunks, Q), log2_decay_cumsum (b, H, nchunks, 2, Q)), fp32; see the module
     docstring.
 
     dt (b, L, H) CUDA fp32/bf16/fp16 (any strides); A, dt_bias (H,) CUDA, any float dtype.
     config: the variant (``kernels.ssd.make_plan(...).cumsum``): chunk size, which of bias,
-    softplus and limit apply, 64-bit indexing; dt_bias and dt_limit give their values.
+    softplus and limit apply, 64-bit indexing, the resets; dt_bias and dt_limit give their
+    values, seq_idx (b, L) of ``config.seq_dtype`` the resets (None without).
     stream: where to launch (default: the current stream of the inputs' device).
     """
+    if (seq_idx is None) != (config.seq_dtype is None) or (
+            seq_idx is not None and seq_idx.dtype != config.seq_dtype):
+        raise ValueError(f"chunk_cumsum: seq_idx of dtype {config.seq_dtype} expected by the "
+                         f"config, got {None if seq_idx is None else seq_idx.dtype}")
     b, L, H = dt.shape
     Q = config.chunk_size
     nchunks = -(-L // Q)
@@ -160,6 +191,8 @@ def chunk_cumsum(dt: torch.Tensor, A: torch.Tensor, config: ChunkCumsumConfig, d
     grid = (nchunks * b * nhb,) if config.flat_grid else (nchunks, b * nhb)
     ct.launch(launch_stream(dt, stream), grid,
               config.kernel,
-              (dt, A32, bias, dt_out, cumsum, L, nhb, float(dt_limit[0]), float(dt_limit[1]),
+              (dt, A32, bias,
+               seq_idx if seq_idx is not None else placeholder(dt.device, torch.int32, 2),
+               dt_out, cumsum, L, nhb, float(dt_limit[0]), float(dt_limit[1]),
                *config.constants()))
     return dt_out, cumsum

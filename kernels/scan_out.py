@@ -5,8 +5,7 @@ the chunk's output where the walk is, so no chunk state reaches memory.
     x (b, L, H, P), B, C (b, L, G, N), dt (b, H, nchunks, Q) and log2_decay_cumsum
     (b, H, nchunks, 2, Q) fp32 (kernels/chunk_cumsum.py), scores (b, nchunks, G, Q, Q) fp32
     (kernels/chunk_scores.py, when shared), start_states (b, H, P, N) or none, D (H, P) fp32,
-    z (b, L, H, P), seq_idx (b, L) int or none  ->  out (b, L, H, P) x.dtype, final_states
-    (b, H, P, N) fp32
+    z (b, L, H, P)  ->  out (b, L, H, P) x.dtype, final_states (b, H, P, N) fp32
 
 Per chunk c, with h the state entering it (P_BLOCK x N, float32):
 
@@ -27,11 +26,6 @@ forward from 0.566 to 0.498 ms, to 0.419 with two blocks to an SM (the occupancy
 ``kernels.ssd.scan_out_occupancy``) and to 0.376 storing each chunk's out after its state update
 (ce6a7f8, the bench's anchors), and lost where 64 pairs leave SMs idle (kernels/ssd.py, at
 SCAN_OUT_MIN_ROW_HEADS, has the figures and what the dispatcher picks).
-
-With packed sequences (seq_idx) the terms that cross a sequence's start are masked out: h's in
-y for rows of a later sequence than h's, pairs (i, j) of different sequences, and in the update
-h itself where the chunk's last position starts a later sequence, and the positions of earlier
-sequences than the last's.
 
 ``state_precision``: the mode of the state update's MMA apart from the output's, so that a
 call returning final states walks too, its increments float32-grade in '3xbf16' as
@@ -166,9 +160,8 @@ def step_rows(array, batch, step, head, p_block, ROWS: ct.Constant[int],
                    padding_mode=ZERO, latency=latency_hint(LATENCY)).reshape((ROWS, P_BLOCK))
 
 
-def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, seq_idx, out,
-                    final_states, nchunks, nheads, heads_per_group, n_p_blocks, nsegments,
-                    segment_steps,
+def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, out, final_states,
+                    nchunks, nheads, heads_per_group, n_p_blocks, nsegments, segment_steps,
                     CHUNK: ct.Constant[int], P_BLOCK: ct.Constant[int], N_PAD: ct.Constant[int],
                     MODE: ct.Constant[int], HAS_START: ct.Constant[bool],
                     HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
@@ -177,8 +170,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     OUT: ct.Constant[bool], UPDATE_EARLY: ct.Constant[bool],
                     X_LATENCY: ct.Constant[int], B_LATENCY: ct.Constant[int],
                     BACKWARD: ct.Constant[bool], OUT_TRANSPOSED: ct.Constant[bool],
-                    D_ON_DIAGONAL: ct.Constant[bool], WEIGHTS_MODE: ct.Constant[int],
-                    HAS_SEQ: ct.Constant[bool]):
+                    D_ON_DIAGONAL: ct.Constant[bool], WEIGHTS_MODE: ct.Constant[int]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -206,10 +198,6 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
         d_head = ct.load(D, (head, 0), shape=(1, 1), padding_mode=ZERO)
     elif HAS_D:
         d = ct.load(D, (head, p_block), shape=(1, P_BLOCK), padding_mode=ZERO)
-    if HAS_SEQ:
-        # The sequence the state entering a chunk belongs to: the start state's is the row's
-        # first (as the chunk-256 kernels read seq_idx), then the last of each chunk walked.
-        seq_entering = ct.load(seq_idx, (batch, 0), shape=(1, 1)).reshape(())
     position = ct.arange(CHUNK, dtype=ct.int32)
     sees = position[None, :] <= position[:, None]
     sees_transposed = position[:, None] <= position[None, :]
@@ -251,9 +239,6 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                              shape=(1, 1, STEP, 2, CHUNK), padding_mode=ZERO)
         if HAS_Z and OUT:
             z_all = step_rows(z, batch, step, head, p_block, STEP * CHUNK, P_BLOCK, 0)
-        if HAS_SEQ:
-            seq_all = ct.load(seq_idx, (batch, step), shape=(1, STEP * CHUNK),
-                              padding_mode=ZERO).reshape((STEP * CHUNK,))
         if SHARED_SCORES and OUT:
             s_all = ct.load(scores, (batch, step, group, 0, 0),
                             shape=(1, STEP, 1, CHUNK, CHUNK), padding_mode=ZERO)
@@ -289,22 +274,6 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 x_cols = x_c.transpose()
             dt_c = ct.extract(dt_all, (k, 0), shape=(1, CHUNK)).reshape((CHUNK,))
             hi, lo = step_log2_cumsum(cumsum_all, k, CHUNK)
-            # Packed sequences: a position sees the entering state and earlier positions of its
-            # own sequence only, and the state leaving the chunk is its last sequence's, reset
-            # where that sequence starts inside the chunk. seq_idx is non-decreasing and
-            # non-negative (kernels.contract), so its zero padding past the end is no later
-            # sequence than the chunk's last position's, and a chunk wholly past the end (two
-            # chunks a step) resets nothing.
-            carried = h
-            increment_dt = dt_c
-            if HAS_SEQ:
-                seq_c = ct.extract(seq_all, (k,), shape=(CHUNK,))
-                seq_last = ct.maximum(ct.max(seq_c), seq_entering)
-                sees_entering = seq_c == seq_entering
-                same_sequence = seq_c[:, None] == seq_c[None, :]
-                carried = ct.where(seq_last == seq_entering, h, 0.0)
-                increment_dt = ct.where(seq_c == seq_last, dt_c, 0.0)
-                seq_entering = seq_last
             if OUT:
                 if SHARED_SCORES:
                     s = ct.extract(s_all, (0, k, 0, 0, 0),
@@ -316,40 +285,31 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 # The chunk's output: the entering state's term, then the chunk's own positions.
                 # OUT_TRANSPOSED: out^T (P_BLOCK, CHUNK), the state the first MMA's operand in
                 # registers ('Orientation' above), turned back before D, z and the store.
-                entering_decay = exp2_nonpos(hi + lo)
-                if HAS_SEQ:
-                    entering_decay = ct.where(sees_entering, entering_decay, 0.0)
                 if OUT_TRANSPOSED:
                     y = precise_mma(h, C_c.transpose(),
                                     ct.zeros((P_BLOCK, CHUNK), dtype=ct.float32), MODE,
-                                    x.dtype) * entering_decay[None, :]
+                                    x.dtype) * exp2_nonpos(hi + lo)[None, :]
                 else:
                     y = precise_mma(C_c, h.transpose(),
                                     ct.zeros((CHUNK, P_BLOCK), dtype=ct.float32), MODE,
-                                    x.dtype) * entering_decay[:, None]
+                                    x.dtype) * exp2_nonpos(hi + lo)[:, None]
                 # UPDATE_EARLY: the state update right after its last read of h, which releases
                 # B (and with it the next step's loads that wait on B) mid-step, not at its end.
                 if UPDATE_EARLY:
-                    h = next_state(carried, x_cols, B_c, increment_dt, hi, lo, x, B, STATE_MODE,
-                                   P_BLOCK, N_PAD, CHUNK)
+                    h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK,
+                                   N_PAD, CHUNK)
                 if OUT_TRANSPOSED:
                     exponent = log2_decay_between(hi[None, :], lo[None, :], hi[:, None],
                                                   lo[:, None])
-                    seen = sees_transposed
-                    if HAS_SEQ:
-                        seen = seen & same_sequence
-                    weights = s.transpose() * (ct.where(seen, exp2_nonpos(exponent), 0.0)
-                                               * dt_c[:, None])
+                    weights = s.transpose() * (ct.where(sees_transposed, exp2_nonpos(exponent),
+                                                        0.0) * dt_c[:, None])
                     if HAS_D and D_ON_DIAGONAL:
                         weights = weights + ct.where(diagonal, d_head, 0.0)
                     y = precise_mma(x_cols, weights, y, WEIGHTS_MODE, x.dtype).transpose()
                 else:
                     exponent = log2_decay_between(hi[:, None], lo[:, None], hi[None, :],
                                                   lo[None, :])
-                    seen = sees
-                    if HAS_SEQ:
-                        seen = seen & same_sequence
-                    weights = s * (ct.where(seen, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
+                    weights = s * (ct.where(sees, exp2_nonpos(exponent), 0.0) * dt_c[None, :])
                     if HAS_D and D_ON_DIAGONAL:
                         weights = weights + ct.where(diagonal, d_head, 0.0)
                     y = precise_mma(weights, x_c, y, WEIGHTS_MODE, x.dtype)
@@ -363,8 +323,8 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     h, later_hi, later_lo, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK,
                     N_PAD, CHUNK)
             elif not (OUT and UPDATE_EARLY):
-                h = next_state(carried, x_cols, B_c, increment_dt, hi, lo, x, B, STATE_MODE,
-                               P_BLOCK, N_PAD, CHUNK)
+                h = next_state(h, x_cols, B_c, dt_c, hi, lo, x, B, STATE_MODE, P_BLOCK, N_PAD,
+                               CHUNK)
             # out is stored after the state update, not before it: the same operations and
             # results, on the H200 0.857-0.952x the time at 7 of 9 shapes (the first anchor
             # 0.406 -> 0.371 ms), 0.997x at the third, 1.094x at float32 dstate 32 paired
@@ -429,15 +389,8 @@ class ScanOutConfig(KernelVariant):
     # The mode of the MMA of out's in-chunk weights with x ('The weights' MMA' above): "" the
     # walk's (``precision``), else a PRECISIONS name.
     weights_precision: str = ""
-    # Packed sequences: seq_idx's dtype, None without (the walk unsplit only: a segment's
-    # entering state would need its resets carried across the segments before it).
-    seq_dtype: torch.dtype | None = None
 
     def __post_init__(self):
-        if self.seq_dtype is not None and (self.segmented or self.backward):
-            raise ValueError("ScanOutConfig.seq_dtype: expected None for a segmented or "
-                             f"backward walk (packed sequences walk unsplit), got "
-                             f"{self.seq_dtype}")
         if self.d_term not in D_TERMS:
             raise ValueError(f"ScanOutConfig.d_term: expected one of {D_TERMS}, got "
                              f"{self.d_term!r}")
@@ -455,7 +408,7 @@ class ScanOutConfig(KernelVariant):
                 self.has_d, self.has_z, self.shared_scores, self.chunks_per_step,
                 MODE[self.state_precision], self.segmented, self.computes_out, self.update_early,
                 self.x_latency, self.b_latency, self.backward, self.out_transposed,
-                self.d_term != "elementwise", self.weights_mode, self.seq_dtype is not None)
+                self.d_term != "elementwise", self.weights_mode)
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""
@@ -472,8 +425,7 @@ class ScanOutConfig(KernelVariant):
             array_constraint(self.c_dtype, 4, w), array_constraint(f32, 5, w),
             array_constraint(f32, 4), array_constraint(f32, 5),
             array_constraint(self.start_dtype, 4, w), array_constraint(f32, 2),
-            array_constraint(self.z_dtype, 4, w), array_constraint(self.seq_dtype or i32, 2),
-            array_constraint(self.x_dtype, 4, w),
+            array_constraint(self.z_dtype, 4, w), array_constraint(self.x_dtype, 4, w),
             array_constraint(f32, 4, w), *(scalar_constraint(i32) for _ in range(6)),
             *self.constants()])
 
@@ -486,14 +438,13 @@ class ScanOutConfig(KernelVariant):
                 f"step={self.chunks_per_step} segmented={self.segmented} "
                 f"out={self.computes_out} backward={self.backward} "
                 f"transposed={self.out_transposed} d_term={self.d_term} "
-                f"weights={self.weights_precision or self.precision} seq={self.seq_dtype}")
+                f"weights={self.weights_precision or self.precision}")
 
 
 def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutConfig,
-             stream=None, segments: int = 1, segment_steps: int = 0, seq_idx=None):
+             stream=None, segments: int = 1, segment_steps: int = 0):
     """(out, final_states); see the module docstring. D (H, P) fp32 or None; z, start_states
-    or None; seq_idx (b, L) of ``cfg.seq_dtype``, or None without packed sequences. stream:
-    where to launch (default: the current stream of the inputs' device). With
+    or None. stream: where to launch (default: the current stream of the inputs' device). With
     ``cfg.segmented``, the blocks walk ``segments`` segments of ``segment_steps`` steps from the
     sequence's start: start_states (b * segments, H, P, N) and final_states likewise, a row per
     (batch row, segment). Without ``cfg.computes_out``, out is None."""
@@ -502,10 +453,6 @@ def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutCon
         raise ValueError(f"scan_out: d_term {cfg.d_term!r} puts D per head on the weights' "
                          f"diagonal and needs D (nheads, headdim) of stride 0 along headdim "
                          f"(D per head), got strides {tuple(D.stride())}")
-    if (seq_idx is None) != (cfg.seq_dtype is None) or (
-            seq_idx is not None and seq_idx.dtype != cfg.seq_dtype):
-        raise ValueError(f"scan_out: seq_idx of dtype {cfg.seq_dtype} expected by the config, "
-                         f"got {None if seq_idx is None else seq_idx.dtype}")
     stream = launch_stream(x, stream)
     b, L, H, P = x.shape
     N = B.shape[3]
@@ -522,9 +469,7 @@ def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutCon
                D if D is not None else placeholder(dev, f32, 2),
                # An absent z's stand-in is not x: an array aliasing x puts the loop's loads in
                # an alias set of two, and then cuTile orders its stores one after another.
-               z if z is not None else placeholder(dev, x.dtype, 4),
-               seq_idx if seq_idx is not None else placeholder(dev, torch.int32, 2), out,
-               final_states,
+               z if z is not None else placeholder(dev, x.dtype, 4), out, final_states,
                -(-L // cfg.chunk_size), H, H // B.shape[2], npb, segments, segment_steps,
                *cfg.constants()))
     return (out if cfg.computes_out else None), final_states

@@ -1249,18 +1249,17 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, or fewer split in ``segments``
     (``walk_segments``) where ``walk_takes_few_pairs``, dstate up to the mode's
     ``walk_max_dstate`` on a GPU of compute ``capability`` (the state in registers), packed
-    sequences only unsplit and without per-sequence starts or varlen states, not both z and D
-    unless the walk's blocks run paired (``walk_occupancy``), and no chunk states handed back.
-    The state update is in the mode ``state_precision`` gives the chunk states (out alone,
-    'input' (bf16), '2xfp16' or '3xbf16'; returning final states, their float32-grade mode), or,
-    one block an SM, in the one WALK_STATE_UPDATE_MODES names for it at the call's padded
-    dstate."""
+    sequences without per-sequence starts or varlen states (their resets in the cumsum,
+    kernels/chunk_cumsum.py), not both z and D unless the walk's blocks run paired
+    (``walk_occupancy``), and no chunk states handed back. The state update is in the mode
+    ``state_precision`` gives the chunk states (out alone, 'input' (bf16), '2xfp16' or
+    '3xbf16'; returning final states, their float32-grade mode), or, one block an SM, in the one
+    WALK_STATE_UPDATE_MODES names for it at the call's padded dstate."""
     if not (WALK_MODES.get(mode) == str(key.x_dtype).removeprefix("torch.")
             and key.chunk_size == STATE_SCAN_CHUNK_SIZE
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
                  or walk_takes_few_pairs(key, mode, segments))
             and next_pow2(key.dstate) <= walk_max_dstate(mode, capability)
-            and (key.seq_dtype is None or segments == 1)
             and not key.per_seq_start and not key.varlen
             and not key.chunk_states_returned
             and (occupancy == 2 or not (key.has_d and key.z_dtype is not None))):
@@ -1394,8 +1393,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                  mode, occupancy, shared_scores, n_pad, early, key.has_d,
                                  key.z_dtype is not None,
                                  not split and walk_states_mode != mode
-                                 and key.start_dtype is None),
-                             seq_dtype=key.seq_dtype)
+                                 and key.start_dtype is None))
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
@@ -1406,6 +1404,10 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
             entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
                                             p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,
                                             has_start=key.start_dtype is not None, wide=wide)
+        if key.seq_dtype is not None:
+            # Packed sequences: their resets in the cumsum, which every walk reads
+            # (kernels/chunk_cumsum.py); the walk's kernels are the unpacked call's.
+            cumsum = replace(cumsum, seq_dtype=key.seq_dtype)
     return Plan(cumsum, chunk_state, passing, out, scan, walk, segment_states, segments, parts,
                 entering)
 
@@ -1448,9 +1450,10 @@ class StagePipeline:
     varlen: bool
 
     def cumsum(self, stream=None):
-        p = self.problem
-        return chunk_cumsum(p.dt, self.A, self.plan.cumsum, dt_bias=p.dt_bias, dt_limit=p.dt_limit,
-                            stream=stream)
+        p, config = self.problem, self.plan.cumsum
+        return chunk_cumsum(p.dt, self.A, config, dt_bias=p.dt_bias, dt_limit=p.dt_limit,
+                            stream=stream,
+                            seq_idx=self.seq_idx if config.seq_dtype is not None else None)
 
     def states(self, dt, log2_cumsum, stream=None):
         """(chunk_states, final_states, varlen_states); all None where kernels/scan_out.py
@@ -1485,7 +1488,7 @@ class StagePipeline:
         segments, split = plan.walk_segments, plan.segment_split
         if segments == 1:
             return scan_out(p.x, p.B, p.C, dt, log2_cumsum, p.initial_states, self._d(), p.z,
-                            plan.scan_out, stream, seq_idx=self.seq_idx)
+                            plan.scan_out, stream)
         # Parts of whole steps, ``split`` a segment (kernels/entering_states.py).
         steps = -(-p.seqlen // (plan.scan_out.chunk_size * plan.scan_out.chunks_per_step))
         part_steps = -(-steps // (segments * split))

@@ -229,13 +229,14 @@ COVERING_KEYS = (
       for name, dtype, dstate, returned in (
           ("fp16-n64-out-only", f16, 64, False), ("fp16-n128-out-only", f16, 128, False),
           ("fp16-n128-final-states", f16, 128, True), ("fp32-n32-out-only", f32, 32, False))),
-    # Packed sequences walk unsplit (kernels.ssd.walk_state_precision): out alone paired, and
-    # from initial states with final states (the early update), seq_idx in int64.
+    # Packed sequences walk in the unpacked call's kernels, their resets in chunk_cumsum's
+    # cumsum (kernels.ssd.walk_state_precision, kernels/chunk_cumsum.py): seq_idx in int32 out
+    # alone paired, in int64 split from initial states with final states.
     ("anchor-b8-L4096-h64-q64-packed-out-only-walk",
      replace(_anchor(8, 4096, 64, 1, seq_dtype=i32), chunk_size=64, states_returned=False),
      None, None),
-    ("anchor-b8-L4096-h64-q64-packed-start-final-states-walk",
-     replace(_anchor(8, 4096, 64, 1, seq_dtype=i64, start_dtype=f32), chunk_size=64), None,
+    ("b1-L65536-h64-q64-packed-start-final-states-walk-segments",
+     replace(_anchor(1, 65536, 64, 1, seq_dtype=i64, start_dtype=f32), chunk_size=64), None,
      None),
     ("int64-b1-L139264-h256-q64-out-only-fused",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),

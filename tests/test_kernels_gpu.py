@@ -744,11 +744,11 @@ def _packed_rows(batch: int, seqlen: int, dtype: torch.dtype) -> torch.Tensor:
 def test_packed_sequences_walk_and_pass_the_rule(dtype, batch, initial_states, final_states, D,
                                                  z, seq_dtype):
     """seq_idx over rows of 64 heads (``_packed_rows``) at chunk_size None: the walk of
-    kernels/scan_out.py unsplit (two blocks an SM at 8 rows, one at 2), from initial states
-    (the row's first sequence's), with final states (the row's last sequence's), D, z, in bf16
-    and fp16; out and the final states held to the rule against float64 over 15 chunks, the
-    last partial, and equal to what chunk 256's two state kernels and compute_out compute to
-    16-bit roundings."""
+    kernels/scan_out.py unsplit (two blocks an SM at 8 rows, one at 2), the resets in
+    chunk_cumsum's cumsum, from initial states (the row's first sequence's), with final states
+    (the row's last sequence's), D, z, in bf16 and fp16; out and the final states held to the
+    rule against float64 over 15 chunks, the last partial, and equal to what chunk 256's two
+    state kernels and compute_out compute to 16-bit roundings."""
     from kernels.device import compute_capability
     from kernels.ssd import default_chunk_size
     spec = ProblemSpec(batch=batch, seqlen=900, nheads=64, headdim=64, dstate=128, ngroups=1,
@@ -758,9 +758,121 @@ def test_packed_sequences_walk_and_pass_the_rule(dtype, batch, initial_states, f
     problem = plain.with_tensors(seq_idx=_packed_rows(batch, 900, seq_dtype).cuda())
     assert default_chunk_size(problem) == 64
     sm90 = compute_capability(problem.x.device) // 10 == 9
-    walk = stage_pipeline(problem, states_returned=final_states).plan.scan_out
-    assert walk is not None and walk.seq_dtype == seq_dtype and not walk.segmented
+    plan = stage_pipeline(problem, states_returned=final_states).plan
+    walk = plan.scan_out
+    assert walk is not None and plan.cumsum.seq_dtype == seq_dtype and not walk.segmented
     assert walk.occupancy == (2 if batch == 8 and (dtype == "bf16" or sm90) else None)
+    record = check_problem(problem, with_mamba=False)
+    assert not record["violations"], record["violations"]
+    kwargs = problem.call_kwargs()
+    ours = ssd_forward(**{**kwargs, "chunk_size": None})
+    theirs = ssd_forward(**{**kwargs, "chunk_size": 256})
+    if not final_states:
+        ours, theirs = (ours,), (theirs,)
+    for name, a, b in zip(("out", "final_states"), ours, theirs):
+        a, b = a.double(), b.double()
+        tol = relation_tolerance(problem.x.dtype, float(b.abs().max()))
+        assert float((a - b).abs().max()) <= tol, name
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("regime", ["mamba2_init", "strong_decay"])
+def test_the_cumsums_resets_are_a_zero_decay_and_leave_each_sequence_its_own(regime):
+    """chunk_cumsum with seq_idx (kernels/chunk_cumsum.py): S as without it, less
+    RESET_LOG2_DECAY at each sequence's start (to 2^-30 absolute, hi + lo in float64), so that
+    the decay between two positions of a sequence is the unpacked one's within float32 rounding
+    and between two sequences exp2 gives exactly 0; dt unchanged bit for bit. One sequence a row
+    (seq_idx all one value) gives the unpacked call's out bit for bit. Chunks of 64 with up to 64
+    starts (a run of one-token sequences), mid-chunk, at a chunk's first and last positions."""
+    from dataclasses import replace as changed
+
+    from kernels.chunk_cumsum import RESET_LOG2_DECAY
+    spec = ProblemSpec(batch=2, seqlen=900, nheads=64, headdim=64, dstate=128, ngroups=1,
+                       chunk_size=64, x_dtype="bf16", bc_dtype="bf16", regime=regime,
+                       return_final_states=False)
+    plain = build_problem(spec, "cuda")
+    seq_idx = _packed_rows(2, 900, torch.int32)
+    seq_idx[1, 256:320] += torch.arange(1, 65, dtype=torch.int32)    # 64 one-token sequences
+    seq_idx[1, 320:] += 64
+    seq_idx = seq_idx.cuda()
+    problem = plain.with_tensors(seq_idx=seq_idx)
+    packed = stage_pipeline(problem, states_returned=False)
+    assert packed.plan.cumsum.seq_dtype == torch.int32
+    unpacked = changed(packed, plan=changed(packed.plan, cumsum=changed(packed.plan.cumsum,
+                                                                      seq_dtype=None)))
+    (dt, S), (dt0, S0) = packed.cumsum(), unpacked.cumsum()
+    assert torch.equal(dt, dt0)
+    S, S0 = (s[..., 0, :].double() + s[..., 1, :].double() for s in (S, S0))  # (b, H, nc, Q)
+    flat = torch.nn.functional.pad(seq_idx, (0, S.shape[2] * 64 - 900), value=-1)
+    starts = torch.zeros_like(flat, dtype=torch.float64)
+    starts[:, 1:] = ((flat[:, 1:] != flat[:, :-1]) & (flat[:, 1:] >= 0)).double()
+    resets = starts.view(2, 1, -1, 64).cumsum(3)            # starts since the chunk's first
+    assert float(resets.max()) >= 64
+    assert float((S - (S0 + RESET_LOG2_DECAY * resets)).abs().max()) <= 2.0 ** -30
+    chunks = flat.view(2, 1, -1, 64)
+    later = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
+    between = S[..., :, None] - S[..., None, :]
+    cross = ((chunks[..., :, None] != chunks[..., None, :]) & later).expand_as(between)
+    kept = ((chunks[..., :, None] == chunks[..., None, :]) & later).expand_as(between)
+    # float32's exp2, as the kernels take it; the kept decays in float64, which shows the
+    # differences' own error (clamped above float64's subnormals, far below float32's).
+    assert not torch.exp2(between[cross].float()).any()
+    unpacked_between = (S0[..., :, None] - S0[..., None, :]).expand_as(between)
+    assert torch.allclose(torch.exp2(between[kept].clamp(min=-1000)),
+                          torch.exp2(unpacked_between[kept].clamp(min=-1000)),
+                          rtol=2.0 ** -26, atol=0)
+    one_sequence = plain.with_tensors(seq_idx=torch.full((2, 900), 3, dtype=torch.int32,
+                                                         device="cuda"))
+    kwargs = {**one_sequence.call_kwargs(), "chunk_size": None}
+    assert torch.equal(ssd_forward(**kwargs), ssd_forward(**{**kwargs, "seq_idx": None}))
+
+
+def _packed_at_seams(seqlen: int, part: int, split: int, dtype: torch.dtype) -> torch.Tensor:
+    """seq_idx (1, seqlen) for the split walk's parts of ``part`` positions, ``split`` a segment:
+    sequences start at part 1's first position, at part 2's last, at the second segment's first
+    and the one after it (a one-token sequence), mid-chunk in the last segment and at 700 (a
+    sequence over parts 0 and 1's seam); part 3 (from split 4) starts none, so its entering
+    state carries through it."""
+    starts = torch.zeros(seqlen, dtype=torch.int64)
+    starts[[700, part, 3 * part - 1, split * part, split * part + 1, seqlen - 1000]] = 1
+    starts[0] = 0
+    return starts.cumsum(0).to(dtype).view(1, seqlen)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@large
+@pytest.mark.parametrize("nheads, dstate, D, z, initial_states, final_states, seq_dtype", [
+    (64, 128, None, False, False, False, torch.int32),
+    (48, 128, "head", False, True, True, torch.int64),
+    (64, 64, None, True, True, True, torch.int32),
+    (80, 128, "channel", False, False, False, torch.int32)])
+def test_packed_sequences_walk_split_and_pass_the_rule(nheads, dstate, D, z, initial_states,
+                                                       final_states, seq_dtype):
+    """One row of 16,400 tokens (257 chunks) with sequences starting at the split walk's seams
+    (``_packed_at_seams``) at chunk_size None: the walk split into segments (``ssd.walk_segments``;
+    four at 80 heads out alone with D), its states-only walk backward at dstate 128 and forward at
+    64, the resets in chunk_cumsum's cumsum, which the states-only walk's parts and the segments'
+    entering states (kernels/entering_states.py) read too; from initial states (the row's first
+    sequence's) and with final states (its last's), D, z; out and the final states held to the
+    rule against float64, and equal to what chunk 256's two state kernels and compute_out
+    compute to 16-bit roundings."""
+    spec = ProblemSpec(batch=1, seqlen=16400, nheads=nheads, headdim=64, dstate=dstate,
+                       ngroups=1, chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
+                       initial_states=initial_states, return_final_states=final_states)
+    plain = build_problem(spec, "cuda")
+    plan = stage_pipeline(plain, states_returned=final_states).plan
+    assert plan.walk_segments > 1
+    nchunks = -(-spec.seqlen // 64)
+    part = -(-nchunks // (plan.walk_segments * plan.segment_split)) * 64
+    problem = plain.with_tensors(seq_idx=_packed_at_seams(spec.seqlen, part, plan.segment_split,
+                                                          seq_dtype).cuda())
+    pipeline = stage_pipeline(problem, states_returned=final_states)
+    assert (pipeline.plan.walk_segments, pipeline.plan.segment_split) == (
+        plan.walk_segments, plan.segment_split)
+    assert pipeline.plan.segment_states.backward == (dstate == 128)
+    assert pipeline.plan.cumsum.seq_dtype == seq_dtype
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
     kwargs = problem.call_kwargs()

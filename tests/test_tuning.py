@@ -293,30 +293,39 @@ def test_calls_returning_final_states_walk_with_float32_grade_increments():
                                  cu_dtype=torch.int32, nseq=2)).scan_out is None
 
 
-def test_packed_sequences_walk_unsplit_only():
+def test_packed_sequences_walk_as_unpacked_calls_do():
     """Packed sequences (seq_idx, or cu_seqlens without per-sequence starts or varlen states)
-    from 128 (row, head) pairs: the walk unsplit, as without them, reading seq_idx in its
-    dtype; below 128 pairs, where the walk would split the sequence (a segment's entering state
-    would carry the resets of the segments before it), and the fused state scan (64 to 127
-    pairs), neither takes them: chunk 256's kernels (the test above)."""
+    walk as the same call unpacked does, unsplit from 128 (row, head) pairs and below split into
+    segments, in the same kernels: only chunk_cumsum differs, putting the resets in the cumsum
+    from seq_idx in its dtype (kernels/chunk_cumsum.py). The fused state scan (64 to 127 pairs too
+    short to split) does not take them: chunk 256's kernels (the test above), whose cumsum has no
+    resets (compute_out masks by seq_idx)."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
-    for seq_dtype in (torch.int32, torch.int64):
-        for change in ({}, dict(batch=2), dict(states_returned=True, start_dtype=torch.float32)):
-            plain = ssd.make_plan(replace(fused, **change))
-            packed = ssd.make_plan(replace(fused, seq_dtype=seq_dtype, **change))
-            assert packed.scan_out == replace(plain.scan_out, seq_dtype=seq_dtype), change
-            assert [n for n, _ in packed.named_configs()] == [
-                n for n, _ in plain.named_configs()]
-    one_row = dict(batch=1, nheads=128, seq_dtype=torch.int32, cu_dtype=torch.int32, nseq=3)
-    assert ssd.make_plan(replace(fused, **one_row)).scan_out.seq_dtype == torch.int32
-    for change in (dict(per_seq_start=True, start_dtype=torch.float32), dict(varlen=True)):
-        assert ssd.make_plan(replace(fused, **one_row, **change)).scan_out is None, change
     long_row = replace(fused, batch=1, seqlen=65536)
     assert ssd.make_plan(long_row).walk_segments > 1
-    packed_long = ssd.make_plan(replace(long_row, seq_dtype=torch.int32))
-    assert packed_long.scan_out is None and packed_long.state_scan is None
-    with pytest.raises(ValueError, match="seq_dtype: expected None for a segmented"):
-        replace(ssd.make_plan(long_row).scan_out, seq_dtype=torch.int32)
+    for seq_dtype in (torch.int32, torch.int64):
+        for change in ({}, dict(batch=2), dict(states_returned=True, start_dtype=torch.float32),
+                       dict(batch=1, seqlen=65536), dict(batch=1, seqlen=65536, dstate=64),
+                       dict(batch=1, seqlen=65536, nheads=32, states_returned=True,
+                            start_dtype=torch.bfloat16)):
+            plain = ssd.make_plan(replace(fused, **change))
+            packed = ssd.make_plan(replace(fused, seq_dtype=seq_dtype, **change))
+            assert plain.scan_out is not None and plain.cumsum.seq_dtype is None
+            assert packed.named_configs() == replace(
+                plain, cumsum=replace(plain.cumsum, seq_dtype=seq_dtype)).named_configs()
+            assert (packed.walk_segments, packed.segment_split) == (
+                plain.walk_segments, plain.segment_split)
+    one_row = dict(batch=1, nheads=128, seq_dtype=torch.int32, cu_dtype=torch.int32, nseq=3)
+    assert ssd.make_plan(replace(fused, **one_row)).cumsum.seq_dtype == torch.int32
+    for row in (replace(fused, **one_row), replace(long_row, **{**one_row, "nheads": 64})):
+        for change in (dict(per_seq_start=True, start_dtype=torch.float32), dict(varlen=True)):
+            plan = ssd.make_plan(replace(row, **change))
+            assert plan.scan_out is None and plan.cumsum.seq_dtype is None, change
+    short_row = replace(fused, batch=1, seqlen=4096, seq_dtype=torch.int32)
+    assert ssd.make_plan(replace(short_row, seq_dtype=None)).state_scan is not None
+    chunk_256 = ssd.make_plan(short_row)
+    assert chunk_256.scan_out is chunk_256.state_scan is None
+    assert chunk_256.cumsum.seq_dtype is None
 
 
 def test_the_walk_updates_its_state_early_where_the_h200_ran_it_faster():
@@ -831,7 +840,8 @@ def test_a_fused_record_makes_an_entry_of_the_scan_and_compute_out(tmp_path, mon
 def test_the_two_state_kernels_keep_what_the_scan_does_not_take(change):
     """Fewer than 64 (row, head) pairs where the walk does not take them (too short to split),
     returned states (float32-grade sums) where it does not (64 pairs too short to split), packed
-    sequences where the walk does not take them (fewer than 128 pairs), float32 x, or an
+    sequences where the walk does not take them (fewer than 128 pairs too short to split), float32
+    x, or an
     explicit chunk 256: chunk_state and the state passing."""
     key = anchor_key()
     problem_changes = {}
