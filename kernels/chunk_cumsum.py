@@ -94,14 +94,17 @@ def chunk_cumsum_kernel(dt, A, dt_bias, seq_idx, dt_out, log2_decay_cumsum, seql
     # its head's cumsum NaN: what reaches the outputs where the host cannot refuse it first (CUDA
     # graph capture, kernels/contract.py). An identity for A <= 0, whose bits are unchanged.
     a = ct.where(a > 0.0, math.nan, a)
-    log2_decay = step * (a * LOG2_E)[:, None]
+    log2_decay = (step * (a * LOG2_E)[:, None]).astype(ct.float64)
     if HAS_RESETS:
-        # The row's first position starts no sequence: the start state is its sequence's.
+        # The row's first position starts no sequence: the start state is its sequence's. Added
+        # in float64, exactly for a step's decay above 2^-21 (in float32 it would round to
+        # 2^-16 there), so that S is the unpacked S less the resets to the scan's own rounding.
         starts = ((ct.gather(seq_idx, (batch, position))
                    != ct.gather(seq_idx, (batch, ct.maximum(position - 1, 0))))
                   & (position < seqlen))
-        log2_decay = log2_decay + ct.where(starts, RESET_LOG2_DECAY, 0.0)[None, :]
-    total = ct.cumsum(log2_decay.astype(ct.float64), axis=1)
+        log2_decay = log2_decay + ct.where(starts, RESET_LOG2_DECAY, 0.0).astype(
+            ct.float64)[None, :]
+    total = ct.cumsum(log2_decay, axis=1)
     hi = total.astype(ct.float32)
     # An infinite sum (dt = inf) leaves inf - inf = NaN in lo: its decay is exactly 0, keep hi.
     lo = ct.where(ct.abs(hi) == math.inf, 0.0, (total - hi.astype(ct.float64)).astype(ct.float32))
