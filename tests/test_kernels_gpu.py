@@ -813,7 +813,8 @@ def test_the_cumsums_resets_are_a_zero_decay_and_leave_each_sequence_its_own(reg
     chunks = flat.view(2, 1, -1, 64)
     later = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
     between = S[..., :, None] - S[..., None, :]
-    cross = ((chunks[..., :, None] != chunks[..., None, :]) & later).expand_as(between)
+    inside = (chunks[..., :, None] >= 0) & (chunks[..., None, :] >= 0)    # not past seqlen
+    cross = ((chunks[..., :, None] != chunks[..., None, :]) & inside & later).expand_as(between)
     kept = ((chunks[..., :, None] == chunks[..., None, :]) & later).expand_as(between)
     # float32's exp2, as the kernels take it; the kept decays in float64, which shows the
     # differences' own error (clamped above float64's subnormals, far below float32's).
