@@ -871,10 +871,10 @@ def fuses_state_scan(key: ProblemKey, states_mode: str) -> bool:
     """Whether stage 2 runs as kernels/state_scan.py: at its chunk size, with enough (row, head)
     pairs, the increments summed in one 'input' MMA (a call that returns no states, bf16 x:
     ``state_precision``; the modes that sum float32-grade states were not measured fused), and
-    none of what only the two kernels handle (sequence index, per-sequence starts, varlen
-    states)."""
+    none of what only the two kernels handle (per-sequence starts, varlen states; packed
+    sequences' resets are in the cumsum, kernels/chunk_cumsum.py)."""
     return (key.chunk_size in STATE_SCAN_CHUNK_SIZES and states_mode == "input"
-            and key.batch * key.nheads >= STATE_SCAN_MIN_ROW_HEADS and key.seq_dtype is None
+            and key.batch * key.nheads >= STATE_SCAN_MIN_ROW_HEADS
             and not key.per_seq_start and not key.varlen)
 
 
@@ -1404,10 +1404,11 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
             entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
                                             p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,
                                             has_start=key.start_dtype is not None, wide=wide)
-        if key.seq_dtype is not None:
-            # Packed sequences: their resets in the cumsum, which every walk reads
-            # (kernels/chunk_cumsum.py); the walk's kernels are the unpacked call's.
-            cumsum = replace(cumsum, seq_dtype=key.seq_dtype)
+    if key.seq_dtype is not None and (walk is not None or scan is not None):
+        # Packed sequences: their resets in the cumsum, which every walk and the fused scan with
+        # compute_out read (kernels/chunk_cumsum.py); their kernels are the unpacked call's.
+        cumsum = replace(cumsum, seq_dtype=key.seq_dtype)
+        out = replace(out, has_seq=False, seq_dtype=int32)
     return Plan(cumsum, chunk_state, passing, out, scan, walk, segment_states, segments, parts,
                 entering)
 
@@ -1508,7 +1509,8 @@ class StagePipeline:
             return self.walk(dt, log2_cumsum, stream)[0]
         return compute_out(
             OutInputs(x=p.x, B=p.B, C=p.C, dt=dt, log2_decay_cumsum=log2_cumsum, A=self.A,
-                      chunk_states=chunk_states, D=self._d(), z=p.z, seq_idx=self.seq_idx,
+                      chunk_states=chunk_states, D=self._d(), z=p.z,
+                      seq_idx=self.seq_idx if self.plan.out.has_seq else None,
                       start_states=p.initial_states if p.per_sequence_initial_states else None,
                       cu_seqlens=p.cu_seqlens),
             self.plan.out, stream)

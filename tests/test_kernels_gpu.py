@@ -732,6 +732,22 @@ def _packed_rows(batch: int, seqlen: int, dtype: torch.dtype) -> torch.Tensor:
     return starts.cumsum(1).to(dtype)
 
 
+def _assert_packed_call_passes_and_agrees_with_chunk_256(problem, final_states: bool):
+    """The packed call held to the rule against float64, and its out (and final states) equal to
+    what chunk 256's two state kernels and compute_out compute, to 16-bit roundings."""
+    record = check_problem(problem, with_mamba=False)
+    assert not record["violations"], record["violations"]
+    kwargs = problem.call_kwargs()
+    ours = ssd_forward(**{**kwargs, "chunk_size": None})
+    theirs = ssd_forward(**{**kwargs, "chunk_size": 256})
+    if not final_states:
+        ours, theirs = (ours,), (theirs,)
+    for name, a, b in zip(("out", "final_states"), ours, theirs):
+        a, b = a.double(), b.double()
+        tol = relation_tolerance(problem.x.dtype, float(b.abs().max()))
+        assert float((a - b).abs().max()) <= tol, name
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype, batch, initial_states, final_states, D, z, seq_dtype", [
@@ -762,17 +778,7 @@ def test_packed_sequences_walk_and_pass_the_rule(dtype, batch, initial_states, f
     walk = plan.scan_out
     assert walk is not None and plan.cumsum.seq_dtype == seq_dtype and not walk.segmented
     assert walk.occupancy == (2 if batch == 8 and (dtype == "bf16" or sm90) else None)
-    record = check_problem(problem, with_mamba=False)
-    assert not record["violations"], record["violations"]
-    kwargs = problem.call_kwargs()
-    ours = ssd_forward(**{**kwargs, "chunk_size": None})
-    theirs = ssd_forward(**{**kwargs, "chunk_size": 256})
-    if not final_states:
-        ours, theirs = (ours,), (theirs,)
-    for name, a, b in zip(("out", "final_states"), ours, theirs):
-        a, b = a.double(), b.double()
-        tol = relation_tolerance(problem.x.dtype, float(b.abs().max()))
-        assert float((a - b).abs().max()) <= tol, name
+    _assert_packed_call_passes_and_agrees_with_chunk_256(problem, final_states)
 
 
 @pytest.mark.gpu
@@ -874,17 +880,31 @@ def test_packed_sequences_walk_split_and_pass_the_rule(nheads, dstate, D, z, ini
         plan.walk_segments, plan.segment_split)
     assert pipeline.plan.segment_states.backward == (dstate == 128)
     assert pipeline.plan.cumsum.seq_dtype == seq_dtype
-    record = check_problem(problem, with_mamba=False)
-    assert not record["violations"], record["violations"]
-    kwargs = problem.call_kwargs()
-    ours = ssd_forward(**{**kwargs, "chunk_size": None})
-    theirs = ssd_forward(**{**kwargs, "chunk_size": 256})
-    if not final_states:
-        ours, theirs = (ours,), (theirs,)
-    for name, a, b in zip(("out", "final_states"), ours, theirs):
-        a, b = a.double(), b.double()
-        tol = relation_tolerance(problem.x.dtype, float(b.abs().max()))
-        assert float((a - b).abs().max()) <= tol, name
+    _assert_packed_call_passes_and_agrees_with_chunk_256(problem, final_states)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("nheads, seqlen, D, z, initial_states, seq_dtype", [
+    (64, 900, None, False, False, torch.int32), (80, 1100, "head", True, True, torch.int64)])
+def test_packed_sequences_in_the_fused_scan_pass_the_rule(nheads, seqlen, D, z, initial_states,
+                                                          seq_dtype):
+    """One row of 64 or 80 heads, too few pairs to walk unsplit and too short to split, at
+    chunk_size None: the fused state scan and compute_out at chunk 64, as unpacked, the resets
+    in chunk_cumsum's cumsum, compute_out reading no seq_idx; sequences starting at positions 1,
+    37, 63, 64 and 130 (``_packed_rows``' second row), from initial states (the first
+    sequence's), D, z; out held to the rule against float64 and equal to what chunk 256's two
+    state kernels and compute_out (masking by seq_idx) compute, to 16-bit roundings."""
+    spec = ProblemSpec(batch=1, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128, ngroups=1,
+                       chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D=D, z=z,
+                       initial_states=initial_states, return_final_states=False)
+    problem = build_problem(spec, "cuda").with_tensors(
+        seq_idx=_packed_rows(2, seqlen, seq_dtype)[1:].cuda())
+    plan = stage_pipeline(problem, states_returned=False).plan
+    assert [name for name, _ in plan.named_configs()] == [
+        "chunk_cumsum", "state_scan", "chunk_scores", "compute_out"]
+    assert plan.cumsum.seq_dtype == seq_dtype and not plan.out.has_seq
+    _assert_packed_call_passes_and_agrees_with_chunk_256(problem, False)
 
 
 @pytest.mark.gpu

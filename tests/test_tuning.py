@@ -293,13 +293,13 @@ def test_calls_returning_final_states_walk_with_float32_grade_increments():
                                  cu_dtype=torch.int32, nseq=2)).scan_out is None
 
 
-def test_packed_sequences_walk_as_unpacked_calls_do():
+def test_packed_sequences_walk_and_scan_as_unpacked_calls_do():
     """Packed sequences (seq_idx, or cu_seqlens without per-sequence starts or varlen states)
-    walk as the same call unpacked does, unsplit from 128 (row, head) pairs and below split into
-    segments, in the same kernels: only chunk_cumsum differs, putting the resets in the cumsum
-    from seq_idx in its dtype (kernels/chunk_cumsum.py). The fused state scan (64 to 127 pairs too
-    short to split) does not take them: chunk 256's kernels (the test above), whose cumsum has no
-    resets (compute_out masks by seq_idx)."""
+    run as the same call unpacked does: the walk unsplit from 128 (row, head) pairs and below
+    split into segments, and the fused state scan with compute_out (64 to 127 pairs too short to
+    split), in the same kernels: only chunk_cumsum differs, putting the resets in the cumsum
+    from seq_idx in its dtype (kernels/chunk_cumsum.py), and compute_out reads no seq_idx. With
+    per-sequence starts or varlen states chunk 256's kernels mask by seq_idx (the test below)."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     long_row = replace(fused, batch=1, seqlen=65536)
     assert ssd.make_plan(long_row).walk_segments > 1
@@ -307,25 +307,26 @@ def test_packed_sequences_walk_as_unpacked_calls_do():
         for change in ({}, dict(batch=2), dict(states_returned=True, start_dtype=torch.float32),
                        dict(batch=1, seqlen=65536), dict(batch=1, seqlen=65536, dstate=64),
                        dict(batch=1, seqlen=65536, nheads=32, states_returned=True,
-                            start_dtype=torch.bfloat16)):
+                            start_dtype=torch.bfloat16),
+                       dict(batch=1), dict(batch=1, seqlen=8192)):
             plain = ssd.make_plan(replace(fused, **change))
             packed = ssd.make_plan(replace(fused, seq_dtype=seq_dtype, **change))
-            assert plain.scan_out is not None and plain.cumsum.seq_dtype is None
+            assert plain.cumsum.seq_dtype is None and not plain.out.has_seq
+            scans = change.get("batch") == 1 and change.get("seqlen", 4096) <= 8192
+            names = dict(plain.named_configs())
+            assert ("scan_out" not in names, "state_scan" in names) == (scans, scans)
             assert packed.named_configs() == replace(
                 plain, cumsum=replace(plain.cumsum, seq_dtype=seq_dtype)).named_configs()
             assert (packed.walk_segments, packed.segment_split) == (
                 plain.walk_segments, plain.segment_split)
     one_row = dict(batch=1, nheads=128, seq_dtype=torch.int32, cu_dtype=torch.int32, nseq=3)
     assert ssd.make_plan(replace(fused, **one_row)).cumsum.seq_dtype == torch.int32
-    for row in (replace(fused, **one_row), replace(long_row, **{**one_row, "nheads": 64})):
+    for row in (replace(fused, **one_row), replace(long_row, **{**one_row, "nheads": 64}),
+                replace(fused, **{**one_row, "nheads": 64})):
         for change in (dict(per_seq_start=True, start_dtype=torch.float32), dict(varlen=True)):
             plan = ssd.make_plan(replace(row, **change))
-            assert plan.scan_out is None and plan.cumsum.seq_dtype is None, change
-    short_row = replace(fused, batch=1, seqlen=4096, seq_dtype=torch.int32)
-    assert ssd.make_plan(replace(short_row, seq_dtype=None)).state_scan is not None
-    chunk_256 = ssd.make_plan(short_row)
-    assert chunk_256.scan_out is chunk_256.state_scan is None
-    assert chunk_256.cumsum.seq_dtype is None
+            assert plan.scan_out is plan.state_scan is None, change
+            assert plan.cumsum.seq_dtype is None and plan.out.has_seq, change
 
 
 def test_the_walk_updates_its_state_early_where_the_h200_ran_it_faster():
@@ -840,9 +841,8 @@ def test_a_fused_record_makes_an_entry_of_the_scan_and_compute_out(tmp_path, mon
 def test_the_two_state_kernels_keep_what_the_scan_does_not_take(change):
     """Fewer than 64 (row, head) pairs where the walk does not take them (too short to split),
     returned states (float32-grade sums) where it does not (64 pairs too short to split), packed
-    sequences where the walk does not take them (fewer than 128 pairs too short to split), float32
-    x, or an
-    explicit chunk 256: chunk_state and the state passing."""
+    sequences with varlen states, float32 x, or an explicit chunk 256: chunk_state and the state
+    passing."""
     key = anchor_key()
     problem_changes = {}
     if change == "long_single_row":
@@ -851,7 +851,9 @@ def test_the_two_state_kernels_keep_what_the_scan_does_not_take(change):
         key = replace(key, batch=1, seqlen=1024)
         problem_changes = dict(return_final_states=True)
     elif change == "seq_idx":
-        key = replace(key, batch=1, seq_dtype=torch.int32)
+        key = replace(key, batch=1, seq_dtype=torch.int32, cu_dtype=torch.int32, nseq=2,
+                      varlen=True)
+        problem_changes = dict(return_varlen_states=True)
     elif change == "fp32":
         key = replace(key, x_dtype=torch.float32, b_dtype=torch.float32, c_dtype=torch.float32)
     if change != "chunk_256":
