@@ -181,7 +181,11 @@ STATE_SCAN_MIN_ROW_HEADS = 64
 # need. Measured there at 64 pairs: 64 x 64 tiles (128 blocks) 0.62 ms, 64 x 128 (64 blocks)
 # 1.06, the 256-block tilings 1.11-1.29; at 128 pairs 64 x 128 and 64 x 64 within 1%; at 512
 # pairs 64 x 128 0.315 against 0.340 (experiments/ab_fused_64pairs_e85c35f.txt,
-# ab_state_scan_436fba5.txt).
+# ab_state_scan_436fba5.txt). Halved only where the blocks still fit one round (one block an
+# SM): on the H100 at one row of 68 to 88 heads over 2,048 and 8,192 tokens the halved tiles'
+# 136-176 blocks took the forward 1.11-1.30x chunk 256's time, 64 x 128 tiles 0.93-1.05x; at 64
+# and 66 heads (128 and 132 blocks halved) 0.91-0.97x (reports/h100/experiments/
+# fused_rule_time_9adcafb.txt).
 STATE_SCAN_TILES = (64, 128)
 STATE_SCAN_MIN_BLOCKS = 128
 # From compute capability 10.0 the scan with a 32-bit B at chunk 128 takes at most 64 state
@@ -855,14 +859,16 @@ def _state_passing_tiles(key: ProblemKey, p_pad: int, n_pad: int,
     return p_block, n_block
 
 
-def state_scan_tiles(row_heads: int, p_pad: int, n_pad: int,
-                     start: tuple[int, int]) -> tuple[int, int]:
+def state_scan_tiles(row_heads: int, p_pad: int, n_pad: int, start: tuple[int, int],
+                     sms: int = REFERENCE_SM_COUNT) -> tuple[int, int]:
     """The fused scan's tiles for ``row_heads`` (batch row, head) pairs: ``start`` within the
     padded state, its state columns halved (not below 64) while fewer than STATE_SCAN_MIN_BLOCKS
-    blocks would walk the chunks."""
+    blocks would walk the chunks and twice as many still fit one round on ``sms`` SMs."""
     p_block, n_block = min(p_pad, start[0]), min(n_pad, start[1])
-    while (n_block > 64
-           and row_heads * (p_pad // p_block) * (n_pad // n_block) < STATE_SCAN_MIN_BLOCKS):
+    while n_block > 64:
+        blocks = row_heads * (p_pad // p_block) * (n_pad // n_block)
+        if blocks >= STATE_SCAN_MIN_BLOCKS or 2 * blocks > sms:
+            break
         n_block //= 2
     return p_block, n_block
 
@@ -1357,7 +1363,7 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
         scan_tiled = tuned.get("state_scan", {})
         scan_p, scan_n = state_scan_tiles(key.batch * key.nheads, p_pad, n_pad, (
             scan_tiled.get("p_block", STATE_SCAN_TILES[0]),
-            scan_tiled.get("n_block", STATE_SCAN_TILES[1])))
+            scan_tiled.get("n_block", STATE_SCAN_TILES[1])), sms)
         if capability >= 100 and key.b_dtype == f32 and Q == 128:
             scan_n = min(scan_n, STATE_SCAN_SM100_FLOAT32_B_N_BLOCK)
         scan = StateScanConfig(x_dtype=key.x_dtype, b_dtype=key.b_dtype,

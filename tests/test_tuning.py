@@ -770,10 +770,16 @@ def test_an_explicit_chunk_128_fuses_one_chunk_a_step_at_its_table_tiles(batch, 
 
 def test_the_state_scan_halves_its_state_columns_until_enough_blocks_walk():
     """From the start tiles, the state columns halve (not below 64) while fewer than 128 blocks
-    would walk: 64 pairs walk 64 x 64 tiles; headdim 128's two P blocks keep 128 columns."""
+    would walk and twice as many fit one round on the SMs (132 by default): 64 and 66 pairs walk
+    64 x 64 tiles, 67 to 127 keep 64 x 128 (but on 256 SMs); headdim 128's two P blocks keep 128
+    columns."""
     assert ssd.state_scan_tiles(512, 64, 128, (64, 128)) == (64, 128)
     assert ssd.state_scan_tiles(128, 64, 128, (64, 128)) == (64, 128)
     assert ssd.state_scan_tiles(64, 64, 128, (64, 128)) == (64, 64)
+    assert ssd.state_scan_tiles(66, 64, 128, (64, 128)) == (64, 64)
+    assert ssd.state_scan_tiles(67, 64, 128, (64, 128)) == (64, 128)
+    assert ssd.state_scan_tiles(88, 64, 128, (64, 128)) == (64, 128)
+    assert ssd.state_scan_tiles(88, 64, 128, (64, 128), sms=256) == (64, 64)
     assert ssd.state_scan_tiles(64, 64, 256, (64, 256)) == (64, 128)
     assert ssd.state_scan_tiles(64, 128, 128, (64, 128)) == (64, 128)
     assert ssd.state_scan_tiles(64, 64, 64, (64, 64)) == (64, 64)
