@@ -15,11 +15,12 @@ starts (but the row's first) adds RESET_LOG2_DECAY to its step's log2 decay: the
 from any earlier position is then 2^(<= -256), which float32's exp2 returns as 0, so every kernel
 that reads S resets the state there, as a decay of exactly 0 would: the carried state's term
 in out, the pairs (i, j) of two sequences, the state update's carry and its earlier positions, a
-segment's carry (kernels/entering_states.py). The walk of kernels/scan_out.py reads such an S
-and needs no sequence index of its own, nor any mask: a packed call runs the unpacked call's
-kernels. The dt_out it weights positions by is dt's own. Within a sequence a difference S_i -
-S_j subtracts the same resets twice: at most 64 a chunk, |S| < 2^15 more, which the float64 scan
-and the hi + lo split (below) hold to ~2^-30 absolute, as they hold the decay sums they carry.
+segment's carry (kernels/entering_states.py). The walks of kernels/scan_out.py and the fused
+scan of kernels/state_scan.py with compute_out read such an S and need no sequence index of their
+own, nor any mask: a packed call runs the unpacked call's kernels (``kernels.ssd.make_plan``).
+The dt_out they weight positions by is dt's own. Within a sequence a difference S_i - S_j
+subtracts the same resets twice: at most 64 a chunk, |S| < 2^15 more, which the float64 scan and
+the hi + lo split (below) hold to ~2^-30 absolute, as they hold the decay sums they carry.
 
 Why two parts: the kernels need differences S_i - S_j of nearby positions (the decay between
 them), and S reaches tens within a chunk under strong decay (|S| = 76 in 256 steps is a Mamba-2
@@ -144,9 +145,10 @@ class ChunkCumsumConfig(KernelVariant):
         f32 = torch.float32
         return kernel_signature([
             array_constraint(self.dt_dtype, 3, self.wide), array_constraint(f32, 1),
-            array_constraint(f32, 1), array_constraint(self.seq_dtype or torch.int32, 2, self.wide),
-            array_constraint(f32, 4, self.wide),
-            array_constraint(f32, 5, self.wide), scalar_constraint(torch.int32),
+            array_constraint(f32, 1),
+            array_constraint(self.seq_dtype or torch.int32, 2, self.wide),
+            array_constraint(f32, 4, self.wide), array_constraint(f32, 5, self.wide),
+            scalar_constraint(torch.int32),
             scalar_constraint(torch.int32), scalar_constraint(f32), scalar_constraint(f32),
             *self.constants()])
 

@@ -185,7 +185,7 @@ STATE_SCAN_MIN_ROW_HEADS = 64
 # SM): on the H100 at one row of 68 to 88 heads over 2,048 and 8,192 tokens the halved tiles'
 # 136-176 blocks took the forward 1.11-1.30x chunk 256's time, 64 x 128 tiles 0.93-1.05x; at 64
 # and 66 heads (128 and 132 blocks halved) 0.91-0.97x (reports/h100/experiments/
-# fused_rule_time_9adcafb.txt).
+# packed_fused_9adcafb.txt, run 2).
 STATE_SCAN_TILES = (64, 128)
 STATE_SCAN_MIN_BLOCKS = 128
 # From compute capability 10.0 the scan with a 32-bit B at chunk 128 takes at most 64 state
