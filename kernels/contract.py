@@ -257,7 +257,8 @@ def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
 # Signatures of calls that passed validate's checks (call_signature). A call of the same
 # signature passes them again: they read its arguments' types, shapes, dtypes and devices and its
 # options, and values only of seq_idx, cu_seqlens and (check_finite) every input, which such calls
-# are given no signature for. A's values are read on every call (ValueChecks).
+# are given no signature for, but where seq_idx's values are left to ValueChecks. A's values (and
+# such seq_idx's) are read on every call.
 _PASSED: set = set()
 PASSED_MAX = 1024
 # Options memoized by value: anything else (a tensor as a bound, say) leaves the call unsigned.
@@ -308,14 +309,14 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
                 raise _fail(name, "None " + host_read, "a tensor")
         if check_finite:
             raise _fail("check_finite", "False " + host_read, "True")
-    signature = None
-    if seq_idx is None and cu_seqlens is None and not check_finite:
-        signature = call_signature(
-            (x, dt, A, B, C, D, z, dt_bias, initial_states),
-            (chunk_size, dt_limit, dt_softplus, return_final_states, return_varlen_states,
-             None if supported_chunk_sizes is None else tuple(supported_chunk_sizes)))
     # seq_idx's values read with A's (ValueChecks) where nothing else reads one back.
     defer_seq_values = defer_value_checks and seq_idx is not None and cu_seqlens is None
+    signature = None
+    if (seq_idx is None or defer_seq_values) and cu_seqlens is None and not check_finite:
+        signature = call_signature(
+            (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx),
+            (chunk_size, dt_limit, dt_softplus, return_final_states, return_varlen_states,
+             None if supported_chunk_sizes is None else tuple(supported_chunk_sizes)))
     if signature is None or signature not in _PASSED:
         _check_call(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                     cu_seqlens, dt_softplus, dt_limit, return_varlen_states,

@@ -1680,8 +1680,9 @@ def _launch_validated(problem: SSDProblem, chunk_picked: bool, state_dtype, prec
         picked, plan = prepared
         if picked != problem.chunk_size:
             problem = replace(problem, chunk_size=picked)
-        # A signed call packs no sequences: no seq_idx, no varlen states.
-        pipeline = StagePipeline(problem, plan, problem.A.to(torch.float32), None, False)
+        # A signed call has no cu_seqlens (no varlen states); its seq_idx, if any, is its own.
+        pipeline = StagePipeline(problem, plan, problem.A.to(torch.float32), problem.seq_idx,
+                                 False)
     result = launch_stages(pipeline)
     # The kernels are queued; the verdicts on A's and seq_idx's values decide whether their
     # outputs are returned.

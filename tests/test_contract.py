@@ -371,6 +371,67 @@ def test_calls_whose_validation_reads_values_are_never_signed():
     assert validate(**D).with_tensors(x=D["x"].double()).signature is None
 
 
+def test_a_call_whose_seq_idx_values_are_deferred_is_signed_and_checked_at_every_call(
+        monkeypatch):
+    """ssd_forward's validation (defer_value_checks) leaves seq_idx's values to ValueChecks,
+    which read them on every call: such a call is signed (seq_idx's layout in its signature), a
+    second one of that layout skips the checks that read no values, and a decreasing or negative
+    seq_idx of that layout is still refused, at confirm_values."""
+    checked = []
+    real = contract._check_call
+    monkeypatch.setattr(contract, "_check_call", lambda *a: (checked.append(1), real(*a)))
+    monkeypatch.setattr(contract, "_PASSED", set())
+    seq_idx = torch.tensor([[0] * 5 + [1] * 5, [2] * 10], dtype=torch.int64)
+    first = validate(**{**D, "seq_idx": seq_idx}, defer_value_checks=True)
+    first.confirm_values()
+    assert first.signature is not None and len(checked) == 1
+    assert validate(**D, defer_value_checks=True).signature != first.signature
+    assert validate(**{**D, "seq_idx": seq_idx.to(torch.int32)},
+                    defer_value_checks=True).signature != first.signature
+    assert len(checked) == 3
+    for given, word in ((seq_idx.flip(1), "a decreasing step"), (seq_idx - 1, "a negative value")):
+        again = validate(**{**D, "seq_idx": given}, defer_value_checks=True)
+        assert again.signature == first.signature and len(checked) == 3
+        with pytest.raises(SSDInputError) as info:
+            again.confirm_values()
+        check(str(info.value), "seq_idx", "non-decreasing values along seqlen"
+              if word == "a decreasing step" else "non-negative values", word)
+    # cu_seqlens' values are read by validate itself: never signed.
+    assert validate(**P, defer_value_checks=True).signature is None
+
+
+def test_a_packed_call_seen_before_launches_its_own_seq_idx(monkeypatch):
+    """ssd_forward remembers a packed call's plan by its signature (kernels.ssd._PREPARED), never
+    its tensors: a second call of the same layout skips the planning and launches the same
+    kernels on its own seq_idx. CPU tensors, ct.launch and the stream stood in for."""
+    import cuda.tile as ct
+    from kernels import ssd
+    launches = []
+    monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
+    monkeypatch.setattr(ssd, "_PREPARED", {})
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args:
+                        launches.append((grid, kernel, args)))
+    planned = []
+    real = ssd.stage_pipeline
+    monkeypatch.setattr(ssd, "stage_pipeline", lambda *a, **k: (planned.append(1), real(*a, **k))[1])
+    call = build_problem(ProblemSpec(batch=2, seqlen=256, nheads=32, headdim=64, dstate=128,
+                                     chunk_size=64, x_dtype="bf16", bc_dtype="bf16",
+                                     cu_seqlens=None)).call_kwargs()
+    runs = []
+    for starts in ((0, 100), (0, 30, 200)):
+        seq_idx = torch.zeros(2, 256, dtype=torch.int32)
+        for start in starts[1:]:
+            seq_idx[:, start:] += 1
+        launches.clear()
+        ssd.ssd_forward(**{**call, "seq_idx": seq_idx, "chunk_size": None})
+        given = [[arg is seq_idx for arg in args] for _, _, args in launches]
+        runs.append(([(grid, kernel) for grid, kernel, _ in launches], given))
+    assert len(planned) == 1
+    (kernels, given), (kernels_again, given_again) = runs
+    assert kernels == kernels_again and any(map(any, given)) and given == given_again
+
+
 @pytest.mark.parametrize("graded", [("x",), ("A", "D", "dt_bias", "initial_states")])
 def test_a_backward_through_ssd_forward_raises_naming_the_inputs_that_require_grad(monkeypatch,
                                                                                   graded):
