@@ -300,16 +300,21 @@ def test_growing_decay_on_the_gpu_raises_after_the_deferred_check():
     ([-1, 0, 0, 0], r"^seq_idx: expected non-negative values, got a negative value$")])
 def test_a_bad_seq_idx_on_the_gpu_raises_after_the_deferred_check(bad, message):
     """Without cu_seqlens ssd_forward queues the kernels before it reads seq_idx's verdicts (with
-    A's: kernels.contract.ValueChecks); it still raises what validate raises, and returns
-    nothing; a good seq_idx passes."""
+    A's: kernels.contract.ValueChecks), on every call, remembered layout or not (since 23b2ad4
+    such calls are signed); it still raises what validate raises, and returns nothing; a good
+    seq_idx of the same layout passes before and after."""
     p = _tiny("cuda")
-    seq_idx = torch.zeros(p.batch, p.seqlen, dtype=torch.int32, device="cuda")
+    good = torch.zeros(p.batch, p.seqlen, dtype=torch.int32, device="cuda")
+    good[-1, 2:] = 1
+    seq_idx = good.clone()
     seq_idx[-1, :4] = torch.tensor(bad)
-    with pytest.raises(SSDInputError, match=message):
-        ssd_forward(p.x, p.dt, p.A, p.B, p.C, 64, seq_idx=seq_idx)
-    seq_idx[-1, :4] = torch.tensor([0, 0, 1, 1])
-    seq_idx[-1, 4:] = 1
-    assert isinstance(ssd_forward(p.x, p.dt, p.A, p.B, p.C, 64, seq_idx=seq_idx), torch.Tensor)
+    for given in (good, seq_idx, good):
+        if given is good:
+            assert isinstance(ssd_forward(p.x, p.dt, p.A, p.B, p.C, 64, seq_idx=given),
+                              torch.Tensor)
+            continue
+        with pytest.raises(SSDInputError, match=message):
+            ssd_forward(p.x, p.dt, p.A, p.B, p.C, 64, seq_idx=given)
 
 
 @pytest.mark.gpu
@@ -779,6 +784,32 @@ def test_packed_sequences_walk_and_pass_the_rule(dtype, batch, initial_states, f
     assert walk is not None and plan.cumsum.seq_dtype == seq_dtype and not walk.segmented
     assert walk.occupancy == (2 if batch == 8 and (dtype == "bf16" or sm90) else None)
     _assert_packed_call_passes_and_agrees_with_chunk_256(problem, final_states)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_a_packed_call_of_a_remembered_layout_computes_its_own_sequences(monkeypatch):
+    """ssd_forward remembers a packed call's plan by its layout (kernels.ssd._PREPARED, since
+    23b2ad4), never its seq_idx: calls of one layout with other sequences each return what the
+    call returns planned afresh (both memos emptied), bit for bit, and differ from each other
+    where their sequences do."""
+    from kernels import contract, ssd
+    spec = ProblemSpec(batch=8, seqlen=900, nheads=64, headdim=64, dstate=128, ngroups=1,
+                       chunk_size=64, x_dtype="bf16", bc_dtype="bf16", return_final_states=False)
+    kwargs = {**build_problem(spec, "cuda").call_kwargs(), "chunk_size": None}
+    monkeypatch.setattr(ssd, "_PREPARED", {})
+    monkeypatch.setattr(contract, "_PASSED", set())
+    packings = [_packed_rows(8, 900, torch.int32).cuda(),
+                _packed_rows(8, 900, torch.int32).flip(0).cuda(),
+                torch.zeros(8, 900, dtype=torch.int32, device="cuda")]
+    remembered = [ssd_forward(**{**kwargs, "seq_idx": seq_idx}) for seq_idx in packings]
+    assert len(ssd._PREPARED) == 1
+    for seq_idx, out in zip(packings, remembered):
+        ssd._PREPARED.clear()
+        contract._PASSED.clear()
+        assert torch.equal(out, ssd_forward(**{**kwargs, "seq_idx": seq_idx}))
+    assert not torch.equal(remembered[0], remembered[1])
+    assert not torch.equal(remembered[0][1:], remembered[2][1:])   # row 0: one sequence in both
 
 
 @pytest.mark.gpu
