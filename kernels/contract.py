@@ -34,10 +34,11 @@ Decay: every exponent dt*A must be <= 0 (the kernels clamp exponents to <= 0 bef
 growing state would come out silently wrong). A > 0 is always refused (nheads values are read).
 On the GPU reading them back stalls the host until all queued work is done, and the GPU then
 idles while the kernels are launched; ``defer_value_checks=True`` (what ``ssd_forward`` uses)
-queues their copy to pinned memory behind an event instead (with seq_idx's verdicts where
-cu_seqlens is not given, ``ValueChecks``), and ``SSDProblem.confirm_values``
+queues their copy to pinned memory behind an event instead (with the verdict on seq_idx's and
+cu_seqlens' values, ``ValueChecks``), and ``SSDProblem.confirm_values``
 waits for that event only (not for the kernels launched since), takes the verdict on the host and
-raises before any output is returned.
+raises before any output is returned. Until then the kernels read seq_idx and cu_seqlens through
+``PackedIndex``: stand-in offsets where the values fail, so that none indexes past a tensor.
 Under CUDA graph capture (``torch.cuda.graph``) nothing can be read back: A's values are not read,
 and chunk_cumsum makes the cumsum of a head with A > 0 NaN (kernels/chunk_cumsum.py), so every
 output that head reaches is NaN, never finite wrong numbers. seq_idx, cu_seqlens and
@@ -198,34 +199,36 @@ def capturing(t: torch.Tensor) -> bool:
 
 class ValueChecks:
     """The checks that read values back from the GPU, copied to (pinned) host memory behind one
-    event; the verdicts are taken on the host at ``confirm``. A's nheads values (A <= 0), and,
-    for seq_idx without cu_seqlens (whose offsets the host reads anyway), two booleans computed
-    on the GPU: a decreasing step, a negative value. No kernel of A's own: on the H200's host the
-    comparison and reduction on the GPU cost 27 us a call, the copy of A's nheads values 7 us
+    event; the verdicts are taken on the host at ``confirm``. A's nheads values (A <= 0), and
+    where seq_idx or cu_seqlens is given one boolean computed on the GPU (``PackedIndex``):
+    whether their values pass the host's checks, which run on the host, for their message, only
+    where it is False. No kernel of A's own: on the H200's host the comparison and reduction on
+    the GPU cost 27 us a call, the copy of A's nheads values 7 us
     (reports/h200/experiments/host_parts_2302d94.txt); seq_idx's read back at once stalled the
     host until all queued work was done, so that a packed call's kernels waited on its host path
-    (reports/h100/experiments/packed_walk_87b34e5.txt). ``captured``: under CUDA graph capture,
-    no verdict (module docstring, 'Decay'; seq_idx is refused there)."""
+    (reports/h100/experiments/packed_walk_87b34e5.txt), as cu_seqlens' did until 2026-12-07.
+    ``captured``: under CUDA graph capture, no verdict (module docstring, 'Decay'; seq_idx and
+    cu_seqlens are refused there)."""
 
-    def __init__(self, A: torch.Tensor, seq_idx: Optional[torch.Tensor] = None,
+    def __init__(self, A: torch.Tensor, packed: Optional["PackedIndex"] = None,
                  captured: bool = False):
-        self.values, self.seq_flags, self.ready = A, None, None
-        if seq_idx is not None:
-            self.seq_flags = _seq_idx_verdicts(seq_idx)
+        self.values, self.packed, self.packed_ok, self.ready = A, packed, None, None
+        if packed is not None:
+            self.packed_ok = packed.verdict
         if captured:
-            self.values = self.seq_flags = None
+            self.values = self.packed_ok = None
         elif A.is_cuda:
             self.values = _pinned_copy(A)
-            if self.seq_flags is not None:
-                self.seq_flags = _pinned_copy(self.seq_flags)
+            if self.packed_ok is not None:
+                self.packed_ok = _pinned_copy(self.packed_ok)
             self.ready = torch.cuda.Event()
             self.ready.record(torch.cuda.current_stream(A.device))
 
     def confirm(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
-        if self.seq_flags is not None:
-            _confirm_seq_idx(self.seq_flags)
+        if self.packed_ok is not None and not bool(self.packed_ok):
+            self.packed.raise_refusal()
         if self.values is None:
             return
         growing = self.values > 0
@@ -235,17 +238,84 @@ class ValueChecks:
                         f"A[{head}] = {float(self.values[head])}")
 
 
-def _seq_idx_verdicts(seq_idx: torch.Tensor) -> torch.Tensor:
-    """(a decreasing step, a negative value) of seq_idx, on its device."""
-    return torch.stack(((seq_idx[:, 1:] < seq_idx[:, :-1]).any(), (seq_idx < 0).any()))
+@dataclass(frozen=True)
+class PackedIndex:
+    """seq_idx and cu_seqlens as the caller gave them, whose values ssd_forward checks after the
+    kernels are queued (``validate``'s defer_value_checks), and what the kernels read instead:
+    the same values where they pass, else offsets that do (0, 1, ..., nseq - 1, seqlen) and the
+    sequence index they imply, so that no kernel indexes past a tensor with offsets the host has
+    not read. ``verdict``: one boolean on their device, whether the values pass; queued, not read
+    here."""
+
+    seq_idx: Optional[torch.Tensor]
+    cu_seqlens: Optional[torch.Tensor]
+    seqlen: int
+    verdict: torch.Tensor
+    kernel_seq_idx: Optional[torch.Tensor]
+    kernel_cu_seqlens: Optional[torch.Tensor]
+
+    @staticmethod
+    def queued(seq_idx: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+               seqlen: int) -> "PackedIndex":
+        """The verdict and the kernels' tensors for a call whose other checks passed (shapes,
+        dtypes and devices; with cu_seqlens, 2 to seqlen + 1 offsets), computed on their device
+        without reading a value back."""
+        if cu_seqlens is None:
+            # Non-decreasing from a non-negative first column: every value non-negative.
+            verdict = (seq_idx[:, 1:] >= seq_idx[:, :-1]).all() & (seq_idx[:, :1] >= 0).all()
+            return PackedIndex(seq_idx, None, seqlen, verdict, seq_idx, None)
+        cu = cu_seqlens
+        positions = torch.arange(seqlen, device=cu.device, dtype=cu.dtype)
+        verdict = (cu[0] == 0) & (cu[-1] == seqlen) & (cu[1:] > cu[:-1]).all()
+        if seq_idx is not None:
+            verdict = verdict & (seq_idx[0] == sequence_of(cu, positions)).all()
+        # Valid offsets for any nseq <= seqlen, made on the call's stream (no host copy to order).
+        stand_in = torch.arange(cu.numel(), device=cu.device, dtype=cu.dtype)
+        stand_in[-1] = seqlen
+        kernel_cu = torch.where(verdict, cu, stand_in)
+        kernel_seq = None if seq_idx is None else sequence_of(kernel_cu, positions).to(
+            seq_idx.dtype).view(1, seqlen)
+        return PackedIndex(seq_idx, cu_seqlens, seqlen, verdict, kernel_seq, kernel_cu)
+
+    def raise_refusal(self) -> None:
+        """Raise what validate raises for these values (read back now: the verdict failed)."""
+        _check_packed_values(self.seq_idx, self.cu_seqlens, self.seqlen)
+        raise _fail("cu_seqlens" if self.cu_seqlens is not None else "seq_idx",
+                    "values that the GPU's verdict and the host's checks judge alike",
+                    "values the host's checks pass and the GPU's verdict refused (a bug in "
+                    "kernels.contract.PackedIndex)")
 
 
-def _confirm_seq_idx(verdicts: torch.Tensor) -> None:
-    decreasing, negative = verdicts.tolist()
-    if decreasing:
+def sequence_of(cu_seqlens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The sequence of each position (of cu_seqlens' dtype) under offsets cu_seqlens: int64, in
+    [0, nseq] whatever the offsets (a search, never an index)."""
+    return torch.searchsorted(cu_seqlens[1:], positions, right=True)
+
+
+def _check_packed_values(seq_idx, cu_seqlens, seqlen: int) -> None:
+    """validate's checks of cu_seqlens' offsets and seq_idx's values (and their agreement),
+    read on the host; the tensors' shapes, dtypes and devices already checked."""
+    if cu_seqlens is not None:
+        cu = cu_seqlens.detach().cpu().tolist()
+        if cu[0] != 0:
+            raise _fail("cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] == {cu[0]}")
+        if any(b <= a for a, b in zip(cu, cu[1:])):
+            raise _fail("cu_seqlens", "strictly increasing offsets (no empty sequence)", cu)
+        if cu[-1] != seqlen:
+            raise _fail("cu_seqlens", f"cu_seqlens[-1] == seqlen == {seqlen}",
+                        f"cu_seqlens[-1] == {cu[-1]}")
+    if seq_idx is None:
+        return
+    if bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
         raise _fail("seq_idx", "non-decreasing values along seqlen", "a decreasing step")
-    if negative:
+    if bool((seq_idx < 0).any()):
         raise _fail("seq_idx", "non-negative values", "a negative value")
+    if cu_seqlens is not None:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+        derived = torch.repeat_interleave(torch.arange(lengths.numel(), device=seq_idx.device),
+                                          lengths)
+        if not torch.equal(seq_idx[0].to(torch.int64), derived):
+            raise _fail("seq_idx", "the sequence index implied by cu_seqlens", "a different index")
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -297,8 +367,9 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
              check_finite: bool = False, implementation: str = "this implementation",
              defer_value_checks: bool = False) -> SSDProblem:
     """Check every argument of an SSD forward call; raise SSDInputError or return the SSDProblem.
-    defer_value_checks: leave the A <= 0 verdict, and seq_idx's where cu_seqlens is not given,
-    to ``SSDProblem.confirm_values`` (module docstring, 'Decay').
+    defer_value_checks: leave the A <= 0 verdict, and seq_idx's and cu_seqlens' values, to
+    ``SSDProblem.confirm_values`` (module docstring, 'Decay'); the problem then holds the
+    tensors of ``PackedIndex`` the kernels read in place of seq_idx and cu_seqlens.
     A call whose ``call_signature`` passed before skips the checks that read no values."""
     captured = isinstance(x, torch.Tensor) and capturing(x)
     if captured:
@@ -309,27 +380,34 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
                 raise _fail(name, "None " + host_read, "a tensor")
         if check_finite:
             raise _fail("check_finite", "False " + host_read, "True")
-    # seq_idx's values read with A's (ValueChecks) where nothing else reads one back.
-    defer_seq_values = defer_value_checks and seq_idx is not None and cu_seqlens is None
+    # seq_idx's and cu_seqlens' values read with A's (ValueChecks), after the kernels are queued;
+    # offsets more than seqlen + 1 (never valid) are read at once, for validate's own message.
+    packed = seq_idx is not None or cu_seqlens is not None
+    defer_packed = defer_value_checks and packed and (cu_seqlens is None or (
+        isinstance(x, torch.Tensor) and x.dim() == 4 and isinstance(cu_seqlens, torch.Tensor)
+        and cu_seqlens.dim() == 1 and 2 <= cu_seqlens.numel() <= x.shape[1] + 1))
     signature = None
-    if (seq_idx is None or defer_seq_values) and cu_seqlens is None and not check_finite:
+    if (defer_packed or not packed) and not check_finite:
         signature = call_signature(
-            (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx),
+            (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens),
             (chunk_size, dt_limit, dt_softplus, return_final_states, return_varlen_states,
              None if supported_chunk_sizes is None else tuple(supported_chunk_sizes)))
     if signature is None or signature not in _PASSED:
         _check_call(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                     cu_seqlens, dt_softplus, dt_limit, return_varlen_states,
-                    supported_chunk_sizes, check_finite, implementation, not defer_seq_values)
+                    supported_chunk_sizes, check_finite, implementation, not defer_packed)
         if signature is not None:
             if len(_PASSED) >= PASSED_MAX:
                 _PASSED.clear()
             _PASSED.add(signature)
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
-    value_checks = ValueChecks(A, seq_idx if defer_seq_values else None, captured)
+    index = PackedIndex.queued(seq_idx, cu_seqlens, x.shape[1]) if defer_packed else None
+    value_checks = ValueChecks(A, index, captured)
     if not defer_value_checks:
         value_checks.confirm()
         value_checks = None
+    if index is not None:
+        seq_idx, cu_seqlens = index.kernel_seq_idx, index.kernel_cu_seqlens
 
     return SSDProblem(x=x, dt=dt, A=A, B=B, C=C, chunk_size=chunk_size, D=D, z=z, dt_bias=dt_bias,
                       initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens,
@@ -341,9 +419,9 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
 
 def _check_call(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                 dt_softplus, dt_limit, return_varlen_states, supported_chunk_sizes, check_finite,
-                implementation, seq_values=True) -> None:
+                implementation, packed_values=True) -> None:
     """validate's checks: raise SSDInputError naming the first argument outside the contract;
-    seq_idx's values too where ``seq_values`` (else ValueChecks reads them)."""
+    seq_idx's and cu_seqlens' values too where ``packed_values`` (else ValueChecks reads them)."""
     act = "float32, float16 or bfloat16"
     if not isinstance(x, torch.Tensor):
         raise _fail("x", "a torch.Tensor", type(x).__name__)
@@ -395,22 +473,10 @@ def _check_call(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_i
                       "int32 or int64")
         if batch != 1:
             raise _fail("cu_seqlens", "batch 1 (sequences packed along seqlen)", f"batch {batch}")
-        cu = cu_seqlens.detach().cpu().tolist()
-        if cu[0] != 0:
-            raise _fail("cu_seqlens", "cu_seqlens[0] == 0", f"cu_seqlens[0] == {cu[0]}")
-        if any(b <= a for a, b in zip(cu, cu[1:])):
-            raise _fail("cu_seqlens", "strictly increasing offsets (no empty sequence)", cu)
-        if cu[-1] != seqlen:
-            raise _fail("cu_seqlens", f"cu_seqlens[-1] == seqlen == {seqlen}", f"cu_seqlens[-1] == {cu[-1]}")
     if seq_idx is not None:
         _check_tensor("seq_idx", seq_idx, (batch, seqlen), INDEX_DTYPES, device, "int32 or int64")
-        if seq_values:
-            _confirm_seq_idx(_seq_idx_verdicts(seq_idx))
-        if cu_seqlens is not None:
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-            derived = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
-            if not torch.equal(seq_idx[0].to(torch.int64), derived):
-                raise _fail("seq_idx", "the sequence index implied by cu_seqlens", "a different index")
+    if packed_values:
+        _check_packed_values(seq_idx, cu_seqlens, seqlen)
     if return_varlen_states and cu_seqlens is None:
         raise _fail("cu_seqlens", "a tensor when return_varlen_states=True", None)
 

@@ -147,7 +147,7 @@ from kernels.chunk_cumsum import (ChunkCumsumConfig, chunk_cumsum, head_block_fo
                                   needs_flat_grid)
 from kernels.chunk_scores import ChunkScoresConfig
 from kernels.compute_out import ComputeOutConfig, OutInputs, compute_out
-from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
+from kernels.contract import SSDInputError, SSDProblem, pack_outputs, sequence_of, validate
 from kernels.device import compute_capability, launch_stream, require_gpu, sm_count
 from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
                                     fwd_pass_state)
@@ -1542,14 +1542,17 @@ def stage_pipeline(problem: SSDProblem, state_dtype=None, precision: Optional[st
     device = problem.x.device
     plan = make_plan(_key(problem, varlen, states_returned, chunk_states), state_dtype,
                      precision, sm_count(device), compute_capability(device))
-    p = problem
-    seq_idx = p.seq_idx
-    if seq_idx is None and p.cu_seqlens is not None:
-        lengths = (p.cu_seqlens[1:] - p.cu_seqlens[:-1]).to(torch.int64)
-        seq_idx = torch.repeat_interleave(
-            torch.arange(p.nseq, device=p.device, dtype=p.cu_seqlens.dtype), lengths,
-            output_size=p.seqlen).view(1, p.seqlen)
-    return StagePipeline(problem, plan, p.A.to(torch.float32), seq_idx, varlen)
+    return StagePipeline(problem, plan, problem.A.to(torch.float32), kernel_seq_idx(problem),
+                         varlen)
+
+
+def kernel_seq_idx(p: SSDProblem) -> Optional[torch.Tensor]:
+    """The sequence index the kernels read: seq_idx, or the one cu_seqlens implies (offsets that
+    passed validate's checks, or ``kernels.contract.PackedIndex``'s stand-ins)."""
+    if p.seq_idx is not None or p.cu_seqlens is None:
+        return p.seq_idx
+    positions = torch.arange(p.seqlen, device=p.device, dtype=p.cu_seqlens.dtype)
+    return sequence_of(p.cu_seqlens, positions).to(p.cu_seqlens.dtype).view(1, p.seqlen)
 
 
 def run_stages(problem: SSDProblem, state_dtype=None, precision: Optional[str] = None,
@@ -1680,9 +1683,8 @@ def _launch_validated(problem: SSDProblem, chunk_picked: bool, state_dtype, prec
         picked, plan = prepared
         if picked != problem.chunk_size:
             problem = replace(problem, chunk_size=picked)
-        # A signed call has no cu_seqlens (no varlen states); its seq_idx, if any, is its own.
-        pipeline = StagePipeline(problem, plan, problem.A.to(torch.float32), problem.seq_idx,
-                                 False)
+        pipeline = StagePipeline(problem, plan, problem.A.to(torch.float32),
+                                 kernel_seq_idx(problem), problem.return_varlen_states)
     result = launch_stages(pipeline)
     # The kernels are queued; the verdicts on A's and seq_idx's values decide whether their
     # outputs are returned.

@@ -280,16 +280,24 @@ def test_a_growing_decay_is_refused_naming_the_head():
     (dict(seq_idx=torch.tensor([[0] * 5 + [1] * 5, [0, 0, 2, 2, 1] + [3] * 5])), "seq_idx",
      "non-decreasing values along seqlen", "a decreasing step"),
     (dict(seq_idx=torch.tensor([[-1] * 5 + [0] * 5, [0] * 10])), "seq_idx",
-     "non-negative values", "a negative value")], ids=["A", "seq_idx_decreasing",
-                                                       "seq_idx_negative"])
+     "non-negative values", "a negative value"),
+    *[(dict(base="packed", **changes), arg, expected, given)
+      for case, _, changes, arg, expected, given in CASES
+      if case.startswith(("cu_seqlens_not_from_0", "cu_seqlens_empty", "cu_seqlens_decreasing",
+                          "cu_seqlens_short", "cu_seqlens_long", "seq_idx_not_cu_seqlens"))]],
+    ids=["A", "seq_idx_decreasing", "seq_idx_negative", "cu_seqlens_not_from_0",
+         "cu_seqlens_empty_sequence", "cu_seqlens_decreasing", "cu_seqlens_short",
+         "cu_seqlens_long", "seq_idx_not_cu_seqlens"])
 def test_a_deferred_value_check_raises_at_confirmation_with_the_same_message(changes, arg,
                                                                            expected, given):
-    """ssd_forward queues the kernels before reading the A verdict and seq_idx's (without
-    cu_seqlens): validation passes, and confirm_values (called before any output is returned)
+    """ssd_forward queues the kernels before reading the A verdict, seq_idx's and cu_seqlens'
+    values: validation passes, and confirm_values (called before any output is returned)
     raises what validate would have."""
     assert D["A"].shape == (4,)
-    check(refusal(D, **changes), arg, expected, given)
-    problem = validate(**{**D, **changes}, defer_value_checks=True)
+    changes = dict(changes)
+    base = P if changes.pop("base", None) == "packed" else D
+    check(refusal(base, **changes), arg, expected, given)
+    problem = validate(**{**base, **changes}, defer_value_checks=True)
     with pytest.raises(SSDInputError) as info:
         problem.confirm_values()
     check(str(info.value), arg, expected, given)
@@ -371,12 +379,13 @@ def test_calls_whose_validation_reads_values_are_never_signed():
     assert validate(**D).with_tensors(x=D["x"].double()).signature is None
 
 
-def test_a_call_whose_seq_idx_values_are_deferred_is_signed_and_checked_at_every_call(
+def test_a_packed_call_whose_values_are_deferred_is_signed_and_checked_at_every_call(
         monkeypatch):
-    """ssd_forward's validation (defer_value_checks) leaves seq_idx's values to ValueChecks,
-    which read them on every call: such a call is signed (seq_idx's layout in its signature), a
-    second one of that layout skips the checks that read no values, and a decreasing or negative
-    seq_idx of that layout is still refused, at confirm_values."""
+    """ssd_forward's validation (defer_value_checks) leaves seq_idx's and cu_seqlens' values to
+    ValueChecks, which read them on every call: such a call is signed (their layout in its
+    signature), a second one of that layout skips the checks that read no values, and bad
+    values of that layout are still refused, at confirm_values. More offsets than seqlen + 1
+    are read at once (validate's message)."""
     checked = []
     real = contract._check_call
     monkeypatch.setattr(contract, "_check_call", lambda *a: (checked.append(1), real(*a)))
@@ -396,14 +405,73 @@ def test_a_call_whose_seq_idx_values_are_deferred_is_signed_and_checked_at_every
             again.confirm_values()
         check(str(info.value), "seq_idx", "non-decreasing values along seqlen"
               if word == "a decreasing step" else "non-negative values", word)
-    # cu_seqlens' values are read by validate itself: never signed.
-    assert validate(**P, defer_value_checks=True).signature is None
+    packed = validate(**P, defer_value_checks=True)
+    packed.confirm_values()
+    assert packed.signature is not None and len(checked) == 4
+    other = torch.tensor([0, 2, 5, 10], dtype=P["cu_seqlens"].dtype)
+    again = validate(**{**P, "cu_seqlens": other, "seq_idx": None}, defer_value_checks=True)
+    assert len(checked) == 5            # seq_idx None: another signature
+    again = validate(**{**P, "cu_seqlens": other, "seq_idx": None}, defer_value_checks=True)
+    again.confirm_values()
+    assert len(checked) == 5 and again.cu_seqlens.tolist() == other.tolist()
+    bad = validate(**{**P, "cu_seqlens": torch.tensor([0, 3, 3, 10], dtype=other.dtype)},
+                   defer_value_checks=True)
+    assert bad.signature == packed.signature and len(checked) == 5
+    with pytest.raises(SSDInputError) as info:
+        bad.confirm_values()
+    check(str(info.value), "cu_seqlens", "strictly increasing offsets", "[0, 3, 3, 10]")
+    many = torch.arange(12)
+    with pytest.raises(SSDInputError) as info:
+        validate(**{**P, "cu_seqlens": many, "seq_idx": None, "initial_states": None},
+                 defer_value_checks=True)
+    check(str(info.value), "cu_seqlens", "cu_seqlens[-1] == seqlen == 10", "cu_seqlens[-1] == 11")
 
 
-def test_a_packed_call_seen_before_launches_its_own_seq_idx(monkeypatch):
+@pytest.mark.parametrize("offsets, seq_idx", [
+    ((0, 3, 7, 10), None), ((0, 3, 7, 10), [0] * 3 + [1] * 4 + [2] * 3),
+    ((0, 7, 3, 10), None), ((0, 3, 3, 10), None), ((4, 3, 7, 10), [0] * 10),
+    ((0, 3, 7, 99), None), ((-5, -1, 7, 10), [0] * 3 + [1] * 4 + [2] * 3),
+    ((0, 3, 7, 10), [0] * 4 + [1] * 3 + [2] * 3), ((0, 3, 7, 10), [5] * 10)],
+    ids=["valid", "valid_with_seq_idx", "decreasing", "empty", "not_from_0", "past_the_end",
+         "negative", "seq_idx_disagrees", "seq_idx_past_nseq"])
+def test_deferred_packed_values_reach_the_kernels_only_as_valid_indices(offsets, seq_idx):
+    """Where ssd_forward defers the packed values' checks (``PackedIndex``), the kernels read the
+    caller's offsets and seq_idx where they pass and otherwise stand-ins that pass (0, 1, 2,
+    seqlen), so that no kernel indexes past a tensor before confirm_values refuses the call; the
+    verdict on the device is the host's."""
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    given = None if seq_idx is None else torch.tensor([seq_idx], dtype=torch.int64)
+    problem = validate(**{**P, "cu_seqlens": cu, "seq_idx": given}, defer_value_checks=True)
+    try:
+        contract._check_packed_values(given, cu, 10)
+        passes = True
+    except SSDInputError:
+        passes = False
+    index = problem.value_checks.packed
+    assert bool(index.verdict) == passes
+    assert problem.cu_seqlens.tolist() == (list(offsets) if passes else [0, 1, 2, 10])
+    assert problem.cu_seqlens.dtype == cu.dtype
+    kernel_seq = problem.resolved_seq_idx()
+    lengths = torch.tensor(problem.cu_seqlens.tolist()).diff()
+    assert kernel_seq.tolist() == [torch.arange(3).repeat_interleave(lengths).tolist()]
+    if given is not None:
+        assert problem.seq_idx.dtype == given.dtype
+    if not passes:
+        with pytest.raises(SSDInputError):
+            problem.confirm_values()
+
+
+@pytest.mark.parametrize("spec, packing", [
+    (dict(batch=2, seqlen=256, nheads=32, x_dtype="bf16", bc_dtype="bf16"), "seq_idx"),
+    (dict(batch=1, seqlen=256, nheads=64, x_dtype="bf16", bc_dtype="bf16"), "cu_seqlens"),
+    (dict(batch=1, seqlen=256, nheads=4, initial_states=True, return_varlen_states=True),
+     "cu_seqlens")], ids=["seq_idx_walk", "cu_seqlens_walk", "cu_seqlens_varlen"])
+def test_a_packed_call_seen_before_launches_its_own_sequences(monkeypatch, spec, packing):
     """ssd_forward remembers a packed call's plan by its signature (kernels.ssd._PREPARED), never
     its tensors: a second call of the same layout skips the planning and launches the same
-    kernels on its own seq_idx. CPU tensors, ct.launch and the stream stood in for."""
+    kernels on its own sequences (seq_idx alone, or cu_seqlens: the walk, and chunk 256's state
+    kernels with per-sequence initial states and varlen states). CPU tensors, ct.launch and the
+    stream stood in for."""
     import cuda.tile as ct
     from kernels import ssd
     launches = []
@@ -414,22 +482,34 @@ def test_a_packed_call_seen_before_launches_its_own_seq_idx(monkeypatch):
                         launches.append((grid, kernel, args)))
     planned = []
     real = ssd.stage_pipeline
-    monkeypatch.setattr(ssd, "stage_pipeline", lambda *a, **k: (planned.append(1), real(*a, **k))[1])
-    call = build_problem(ProblemSpec(batch=2, seqlen=256, nheads=32, headdim=64, dstate=128,
-                                     chunk_size=64, x_dtype="bf16", bc_dtype="bf16",
-                                     cu_seqlens=None)).call_kwargs()
+    monkeypatch.setattr(ssd, "stage_pipeline",
+                        lambda *a, **k: (planned.append(1), real(*a, **k))[1])
+    batch, seqlen = spec["batch"], spec["seqlen"]
+    cuts = ((0, 100, 180, seqlen), (0, 30, 200, seqlen))     # one layout: as many offsets
+    per_seq = spec.get("initial_states", False)
+    call = build_problem(ProblemSpec(headdim=64, dstate=128, chunk_size=64,
+                                     cu_seqlens=cuts[0] if per_seq else None,
+                                     per_sequence_initial_states=per_seq,
+                                     **spec)).call_kwargs()
     runs = []
-    for starts in ((0, 100), (0, 30, 200)):
-        seq_idx = torch.zeros(2, 256, dtype=torch.int32)
-        for start in starts[1:]:
-            seq_idx[:, start:] += 1
+    for offsets in cuts:
+        index = torch.zeros(batch, seqlen, dtype=torch.int32)
+        for start in offsets[1:-1]:
+            index[:, start:] += 1
+        given = dict(seq_idx=index) if packing == "seq_idx" else dict(
+            seq_idx=None, cu_seqlens=torch.tensor(offsets, dtype=torch.int32))
+        if per_seq:
+            given["initial_states"] = call["initial_states"][:1].expand(
+                len(offsets) - 1, *call["initial_states"].shape[1:]).contiguous()
         launches.clear()
-        ssd.ssd_forward(**{**call, "seq_idx": seq_idx, "chunk_size": None})
-        given = [[arg is seq_idx for arg in args] for _, _, args in launches]
-        runs.append(([(grid, kernel) for grid, kernel, _ in launches], given))
+        ssd.ssd_forward(**{**call, **given, "chunk_size": None})
+        indices = [[torch.equal(arg, index) for arg in args
+                    if isinstance(arg, torch.Tensor) and arg.shape == index.shape
+                    and not arg.is_floating_point()] for _, _, args in launches]
+        runs.append(([(grid, kernel) for grid, kernel, _ in launches], indices))
     assert len(planned) == 1
-    (kernels, given), (kernels_again, given_again) = runs
-    assert kernels == kernels_again and any(map(any, given)) and given == given_again
+    (kernels, indices), (kernels_again, indices_again) = runs
+    assert kernels == kernels_again and any(map(any, indices)) and indices == indices_again
 
 
 @pytest.mark.parametrize("graded", [("x",), ("A", "D", "dt_bias", "initial_states")])

@@ -319,6 +319,44 @@ def test_a_bad_seq_idx_on_the_gpu_raises_after_the_deferred_check(bad, message):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("offsets, message", [
+    ((0, 30, 30, 300), r"^cu_seqlens: expected strictly increasing offsets .*, got "
+                       r"\[0, 30, 30, 300\]$"),
+    ((0, 200, 100, 300), r"^cu_seqlens: expected strictly increasing offsets"),
+    ((5, 30, 100, 300), r"^cu_seqlens: expected cu_seqlens\[0\] == 0, got cu_seqlens\[0\] == 5$"),
+    ((0, 30, 100, 99999), r"^cu_seqlens: expected cu_seqlens\[-1\] == seqlen == 300, got "
+                          r"cu_seqlens\[-1\] == 99999$"),
+    ((-99999, 30, 100, 300), r"^cu_seqlens: expected cu_seqlens\[0\] == 0")],
+    ids=["empty", "decreasing", "not_from_0", "past_the_end", "negative"])
+def test_bad_cu_seqlens_on_the_gpu_raise_after_the_deferred_check(offsets, message):
+    """ssd_forward queues the kernels before it reads cu_seqlens' verdict (since 2026-12-07,
+    kernels.contract.PackedIndex): with per-sequence initial states and varlen states, whose
+    kernels (chunk 256's) index by the offsets, bad offsets reach them only as stand-ins, and
+    the call raises what validate raises, returning nothing; good offsets of the same layout
+    pass before and after, their out and states those of the call planned afresh."""
+    from kernels import contract, ssd
+    spec = ProblemSpec(batch=1, seqlen=300, nheads=4, headdim=32, dstate=16, chunk_size=64,
+                       cu_seqlens=(0, 30, 100, 300), initial_states=True,
+                       per_sequence_initial_states=True, return_varlen_states=True,
+                       return_final_states=True)
+    kwargs = {**build_problem(spec, "cuda").call_kwargs(), "chunk_size": None}
+    bad = torch.tensor(offsets, dtype=kwargs["cu_seqlens"].dtype, device="cuda")
+    good = ssd_forward(**kwargs)
+    with pytest.raises(SSDInputError, match=message):
+        ssd_forward(**{**kwargs, "cu_seqlens": bad, "seq_idx": None})
+    with pytest.raises(SSDInputError, match=message):
+        ssd_forward(**{**kwargs, "cu_seqlens": bad})
+    torch.cuda.synchronize()               # a kernel's fault would surface here
+    again = ssd_forward(**kwargs)
+    ssd._PREPARED.clear()
+    contract._PASSED.clear()
+    afresh = ssd_forward(**kwargs)
+    for a, b, c in zip(good, again, afresh):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_inputs_requiring_grad_get_the_same_outputs_and_a_backward_that_raises():
     """A model's parameters (A, D, dt_bias) and activations (x) that require grad: the kernels
     take them (detached), under no_grad and with grad mode on; out and final states equal the
