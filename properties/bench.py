@@ -104,6 +104,12 @@ VARIANTS = (("headdim", dict(headdim=128)), ("dstate", dict(dstate=64)),
 MODEL_LAYERS = (("mamba2-130m", 24, 1), ("mamba2-370m", 32, 1), ("mamba2-780m", 48, 1),
                 ("mamba2-1.3b", 64, 1), ("mamba2-2.7b", 80, 1), ("mamba-codestral-7b", 128, 8))
 MODEL_CALLS = ((1, 16384, True), (8, 2048, False))     # batch, seqlen, final states
+# The same layers as a serving engine's batched prefill calls them: one row of 16,384 tokens
+# packed from 8 sequences by cu_seqlens (and seq_idx, which mamba_ssm resets on), cut off chunk
+# boundaries, one of 100 tokens; every sequence's state returned (varlen states, for the cache),
+# from zero or, continuing cached sequences, from per-sequence initial states (which mamba_ssm
+# does not take: its row then records the refusal).
+PACKED_OFFSETS = (0, 1000, 2900, 3000, 6500, 9000, 12345, 15000, 16384)
 
 OURS = "ours"
 STAGES = ("chunk_cumsum", "fwd_pass_state", "compute_out")
@@ -118,9 +124,13 @@ ROW_DESCRIPTIONS = {
     OURS: "kernels.ssd_forward(x, dt, A, B, C, chunk_size, D=, z=)",
     **{f"{OURS}.{stage}": f"kernels/{stage}.py's entry on the previous stages' outputs"
        for stage in STAGES},
-    "mamba_ssm": f"mamba_chunk_scan_combined(..., chunk_size={MAMBA_CHUNK_SIZE}, D=, z=)",
+    "mamba_ssm": f"mamba_chunk_scan_combined(..., chunk_size={MAMBA_CHUNK_SIZE}, D=, z=), "
+                 f"seq_idx where packed, cu_seqlens where varlen states are returned",
     **{name + GRAPH: f"{name}'s call captured in a CUDA graph after a call outside capture, "
-                     f"timed as the graph's replay (no host work)" for name in GRAPHED_ROWS},
+                     f"timed as the graph's replay (no host work)" for name in GRAPHED_PEERS},
+    OURS + GRAPH: "ours' call captured in a CUDA graph after a call outside capture, timed as the "
+                  "graph's replay (no host work); a packed call, which refuses capture, as its "
+                  "kernels' (kernels.ssd.launch_stages)",
     "fla_kernel": "chunk_simple_gla(q=C, k=B, v=x*dt, g=A*dt, scale=1.0) on prepared operands "
                   "(B, C expanded to heads; dt after its bias, softplus and limit)",
     "fla_e2e": "dt's bias, softplus and limit, expansion, x*dt, A*dt, chunk_simple_gla, then D "
@@ -153,13 +163,17 @@ class BenchShape:
 
 def shape_label(spec: ProblemSpec) -> str:
     """'b8 L4096 H64 P64 N128 G1 bf16' (+z, +D/channel, +dt_bias, +softplus, +dt_limit,
-    +final_states): the key of a shape in bench.json."""
+    +final_states, +N seqs, +seq_starts, +varlen_states): the key of a shape in bench.json."""
     s = spec
     dtypes = s.x_dtype if s.x_dtype == s.bc_dtype else f"x={s.x_dtype} bc={s.bc_dtype}"
+    packed = "" if s.cu_seqlens is None else (
+        f" +{len(s.cu_seqlens) - 1} seqs" + (" +seq_starts" if s.per_sequence_initial_states
+                                             else ""))
     extras = ((" +z" if s.z else "") + (f" +D/{s.D}" if s.D else "")
               + (" +dt_bias" if s.dt_bias else "") + (" +softplus" if s.dt_softplus else "")
               + (" +dt_limit" if s.dt_limit else "")
-              + (" +final_states" if s.return_final_states else ""))
+              + (" +final_states" if s.return_final_states else "") + packed
+              + (" +varlen_states" if s.return_varlen_states else ""))
     return (f"b{s.batch} L{s.seqlen} H{s.nheads} P{s.headdim} N{s.dstate} G{s.ngroups} "
             f"{dtypes}{extras}")
 
@@ -174,12 +188,15 @@ def bench_spec(dims, chunk_size: int, **changes) -> ProblemSpec:
     return dataclasses.replace(spec, **changes)
 
 
-SHAPE_SETS = ("anchors", "scaling", "variants", "all", "models")
+SHAPE_SETS = ("anchors", "scaling", "variants", "all", "models", "packed")
+# Sets written to a folder of their own (``default_out_dir``), never over the shape sets' run.
+OWN_FOLDER_SETS = ("models", "packed")
 
 
 def bench_shapes(which: str, chunk_size: int, quick: bool = False) -> list[BenchShape]:
     """The shapes of ``which`` (SHAPE_SETS; all = anchors, scaling, variants in that order;
-    models, the published models' layers, apart), deduplicated."""
+    models, the published models' layers, and packed, their packed prefills, apart),
+    deduplicated."""
     if which not in SHAPE_SETS:
         raise ValueError(f"shapes: expected one of {', '.join(SHAPE_SETS)}, got {which!r}")
     found: dict[ProblemSpec, list[str]] = {}
@@ -207,6 +224,14 @@ def bench_shapes(which: str, chunk_size: int, quick: bool = False) -> list[Bench
                 add(bench_spec((batch, seqlen, nheads, 64, 128, ngroups), chunk_size, D="head",
                                dt_bias=True, dt_softplus=True,
                                return_final_states=final_states), f"model:{model}")
+    if which == "packed":
+        for model, nheads, ngroups in MODEL_LAYERS:
+            for continued in (False, True):
+                add(bench_spec((1, PACKED_OFFSETS[-1], nheads, 64, 128, ngroups), chunk_size,
+                               D="head", dt_bias=True, dt_softplus=True,
+                               cu_seqlens=PACKED_OFFSETS, initial_states=continued,
+                               per_sequence_initial_states=continued,
+                               return_varlen_states=True), f"packed:{model}")
     return [BenchShape(spec, tuple(tags)) for spec, tags in found.items()]
 
 
@@ -384,6 +409,8 @@ class Contender:
     call: Callable[[], Any]
     output: Optional[Callable[[Any], torch.Tensor]]
     info: dict = dataclasses.field(default_factory=dict)
+    # What ``graph_replay`` captures instead of this row, for a call that refuses capture.
+    captured: Optional["Contender"] = None
 
 
 def out_of(result) -> torch.Tensor:
@@ -426,14 +453,6 @@ def _peer_version(dist: str, module) -> str:
                 or f"(no version metadata; {module.__path__[0]})")
 
 
-def _plain_problem_only(problem, who: str,
-                        refused: tuple = ("initial_states", "seq_idx", "cu_seqlens")) -> None:
-    used = [name for name in refused if getattr(problem, name) is not None]
-    if used:
-        raise ValueError(f"{who}: expected a problem without {', '.join(used)} (the benchmark's "
-                         f"shapes have none), got one with them")
-
-
 def our_contenders(problem, chunk_size: Optional[int] = None) -> Iterator[Contender]:
     """ssd_forward at ``chunk_size`` (None: the one it picks for the call, as a call with its
     default settings), then each stage entry on the outputs of the stages before it."""
@@ -445,10 +464,18 @@ def our_contenders(problem, chunk_size: Optional[int] = None) -> Iterator[Conten
     precision = ssd.resolve_precision(None, problem.x.dtype)
     state_dtype = ssd.resolve_state_dtype(None, precision, problem.x.dtype)
     info = dict(precision=precision, state_dtype=str(state_dtype).replace("torch.", ""))
-    yield Contender(OURS, problem.chunk_size, lambda: ssd.ssd_forward(**kwargs), out_of, info)
+    # Planned at first use: ours' row records ssd_forward's own refusal where it cannot run.
+    planned = functools.cache(lambda: ssd.stage_pipeline(problem))
+    # A packed call refuses CUDA graph capture (the host reads seq_idx's and cu_seqlens' values):
+    # its graph row replays the kernels the call launches (kernels.ssd.launch_stages).
+    kernels_only = None if problem.seq_idx is None and problem.cu_seqlens is None else Contender(
+        OURS, problem.chunk_size, lambda: ssd.launch_stages(planned()), lambda result: result.out,
+        dict(info, graph="the call's kernels (kernels.ssd.launch_stages): a packed call "
+                         "refuses capture"))
+    yield Contender(OURS, problem.chunk_size, lambda: ssd.ssd_forward(**kwargs), out_of, info,
+                    kernels_only)
 
-    _plain_problem_only(problem, "stage timing")
-    pipeline = ssd.stage_pipeline(problem)
+    pipeline = planned()
     plan = pipeline.plan
     dt, log2_cumsum = pipeline.cumsum()
     chunk_states = pipeline.states(dt, log2_cumsum)[0]
@@ -477,9 +504,12 @@ def our_contenders(problem, chunk_size: Optional[int] = None) -> Iterator[Conten
 
 
 def graph_replay(contender: Contender) -> Contender:
-    """``contender`` as a CUDA graph's replay: at its first call, one call outside capture (which
-    compiles and autotunes), then the call captured (torch.cuda.graph); every call replays the
-    graph and returns the captured call's result, refreshed by the replay."""
+    """``contender`` (or what it names as ``captured``) as a CUDA graph's replay: at its first
+    call, one call outside capture (which compiles and autotunes), then the call captured
+    (torch.cuda.graph); every call replays the graph and returns the captured call's result,
+    refreshed by the replay."""
+    name = contender.name
+    contender = contender.captured or contender
     captured: dict = {}
 
     def replay():
@@ -493,13 +523,16 @@ def graph_replay(contender: Contender) -> Contender:
         captured["graph"].replay()
         return captured["result"]
 
-    return Contender(contender.name + GRAPH, contender.chunk_size, replay, contender.output,
-                     contender.info)
+    return Contender(name + GRAPH, contender.chunk_size, replay, contender.output, contender.info)
 
 
 def mamba_contenders(problem, mamba_chunk_scan_combined) -> Iterator[Contender]:
+    """Its call as ours is made, at its chunk size; cu_seqlens only where varlen states are asked
+    for (it resets on seq_idx and reads cu_seqlens for those alone)."""
     kwargs = problem.call_kwargs()
-    kwargs.update(chunk_size=MAMBA_CHUNK_SIZE, cu_seqlens=None, return_varlen_states=False)
+    kwargs.update(chunk_size=MAMBA_CHUNK_SIZE)
+    if not problem.return_varlen_states:
+        kwargs.update(cu_seqlens=None)
     yield Contender("mamba_ssm", MAMBA_CHUNK_SIZE, lambda: mamba_chunk_scan_combined(**kwargs),
                     out_of)
 
@@ -509,7 +542,11 @@ def fla_operands(problem):
     (computed in fp32, stored in x's dtype: fla's matmuls take v in the q/k dtype), g = A * dt
     fp32 (b, L, H), the log decay per step; dt after the call's bias, softplus and limit, which
     fla's kernel does not apply."""
-    _plain_problem_only(problem, "fla")
+    used = [name for name in ("initial_states", "seq_idx", "cu_seqlens")
+            if getattr(problem, name) is not None]
+    if used:
+        raise ValueError(f"fla: expected a problem without {', '.join(used)} (its rows run "
+                         f"chunk_simple_gla from zero states on unpacked rows), got one with them")
     per_group = problem.nheads // problem.ngroups
     dt = step_sizes(problem, torch.float32)
     q = problem.C.repeat_interleave(per_group, dim=2)
@@ -563,17 +600,22 @@ def fla_contenders(problem, chunk_simple_gla) -> Iterator[Contender]:
 # ---------------------------------------------------------------- one run
 
 def sub_problem(problem, rows: int, heads: int, groups: int):
-    """The leading (rows, heads, groups) slice of a problem without packing (its initial states,
-    one per row, sliced alike)."""
-    _plain_problem_only(problem, "error slice", refused=("seq_idx", "cu_seqlens"))
+    """The leading (rows, heads, groups) slice of a problem: its initial states sliced alike (one
+    per row; per sequence, every sequence's), its packing the rows'; with cu_seqlens (one row)
+    every row."""
     p = problem
+    if p.cu_seqlens is not None and rows != p.batch:
+        raise ValueError(f"error slice: expected all {p.batch} rows of a problem with "
+                         f"cu_seqlens, got {rows}")
     cut = lambda t, *index: None if t is None else t[index]  # noqa: E731
+    starts = slice(None) if p.per_sequence_initial_states else slice(0, rows)
     return p.with_tensors(x=p.x[:rows, :, :heads], dt=p.dt[:rows, :, :heads], A=p.A[:heads],
                           B=p.B[:rows, :, :groups], C=p.C[:rows, :, :groups],
                           D=cut(p.D, slice(0, heads)), z=cut(p.z, slice(0, rows), slice(None),
                                                                 slice(0, heads)),
                           dt_bias=cut(p.dt_bias, slice(0, heads)),
-                          initial_states=cut(p.initial_states, slice(0, rows), slice(0, heads)))
+                          initial_states=cut(p.initial_states, starts, slice(0, heads)),
+                          seq_idx=cut(p.seq_idx, slice(0, rows)))
 
 
 def reference_out(problem, rows: int, heads: int, groups: int) -> torch.Tensor:
@@ -1131,7 +1173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "models: the SSD layers of published Mamba-2 models (130m to 2.7b, "
                              "Codestral 7B) as the layer calls them (D per head, dt_bias, "
                              "softplus): a 1 x 16384 prefill returning final states, 8 x 2048 "
-                             "out alone")
+                             "out alone; packed: those layers' batched prefill, 16384 tokens "
+                             "of 8 sequences by cu_seqlens returning their states, from zero "
+                             "and from per-sequence initial states")
     parser.add_argument("--only", default=None, metavar="TEXT[,TEXT]",
                         help="of those shapes, only the ones whose label contains one of these "
                              "texts (e.g. 'N256,G8,fp32' of the variants)")
@@ -1143,7 +1187,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for bench.json, bench.txt, bench_shapes.png and "
                              "bench_scaling.png (default "
-                             "reports/<device>/, reports/<device>/models/ for --shapes models; "
+                             "reports/<device>/, reports/<device>/<set>/ for --shapes models "
+                             "and packed; "
                              "with --check nothing is written unless given)")
     parser.add_argument("--check", type=Path, default=None, metavar="BASELINE",
                         help="a committed bench.json: fail, naming the shape, where ours/peer time "
@@ -1207,9 +1252,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def default_out_dir(shapes: str) -> Path:
-    """reports/<device>/, and for the models' layers a folder of their own there: a run of them
-    never replaces the shape sets' bench.json."""
-    return REPO_ROOT / "reports" / device_label() / ("models" if shapes == "models" else "")
+    """reports/<device>/, and for the models' layers and their packed prefills a folder of their
+    own there (OWN_FOLDER_SETS): a run of them never replaces the shape sets' bench.json."""
+    return REPO_ROOT / "reports" / device_label() / (shapes if shapes in OWN_FOLDER_SETS else "")
 
 
 def _measure(args: argparse.Namespace) -> dict:

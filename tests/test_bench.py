@@ -127,6 +127,62 @@ def test_the_models_shapes_are_the_published_layers_apart_from_all():
     assert bench.default_out_dir("all") == bench.default_out_dir("anchors")
 
 
+def test_the_packed_shapes_are_the_models_batched_prefills_apart_from_all():
+    packed = bench.bench_shapes("packed", 64)
+    assert len(packed) == 2 * len(bench.MODEL_LAYERS) == 12
+    labels = {s.label: s.tags for s in packed}
+    layer = " +D/head +dt_bias +softplus +8 seqs"
+    assert labels["b1 L16384 H80 P64 N128 G1 bf16" + layer + " +varlen_states"] == (
+        "packed:mamba2-2.7b",)
+    assert labels["b1 L16384 H128 P64 N128 G8 bf16" + layer + " +seq_starts +varlen_states"] == (
+        "packed:mamba-codestral-7b",)
+    offsets = bench.PACKED_OFFSETS
+    assert offsets[0] == 0 and list(offsets) == sorted(set(offsets))
+    assert any(b - a == 100 for a, b in zip(offsets, offsets[1:]))       # a short sequence
+    assert any(o % 64 for o in offsets)                                  # off chunk boundaries
+    for shape in packed:
+        spec = shape.spec
+        assert (spec.batch, spec.seqlen, spec.cu_seqlens) == (1, offsets[-1], offsets)
+        assert spec.pass_seq_idx and spec.return_varlen_states and not spec.return_final_states
+        assert spec.initial_states == spec.per_sequence_initial_states
+        assert (spec.D, spec.dt_bias, spec.dt_softplus) == ("head", True, True)
+        assert bench.error_slice(spec) == (1, spec.nheads, spec.ngroups)     # whole
+    everything = {s.label for s in bench.bench_shapes("all", 64)}
+    assert not set(labels) & (everything | {s.label for s in bench.bench_shapes("models", 64)})
+    assert bench.default_out_dir("packed") == bench.default_out_dir("all") / "packed"
+
+
+def test_a_packed_call_of_ours_replays_its_kernels_and_mamba_ssm_gets_its_cu_seqlens(
+        monkeypatch):
+    """ours' packed call refuses CUDA graph capture, so its graph row captures the call's kernels
+    (kernels.ssd.launch_stages on the call's plan); mamba_ssm gets the call as ours does, with
+    cu_seqlens where varlen states are asked for. Launches stood in for."""
+    import kernels.ssd as ssd
+    spec = dataclasses.replace(SMALL, batch=1, seqlen=100, chunk_size=64,
+                               cu_seqlens=(0, 30, 31, 100), return_varlen_states=True)
+    problem = build_problem(spec)
+    monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
+    launched = []
+    monkeypatch.setattr(ssd, "launch_stages", lambda pipeline: (
+        launched.append(pipeline), ssd.SSDResult(out="out of the kernels", final_states=None))[1])
+    ours = next(bench.our_contenders(problem))
+    assert ours.name == "ours" and ours.captured is not None
+    replayed = ours.captured
+    assert replayed.output(replayed.call()) == "out of the kernels"
+    (pipeline,) = launched
+    assert pipeline.problem.x is problem.x and pipeline.problem.cu_seqlens is problem.cu_seqlens
+    assert pipeline.varlen
+    assert torch.equal(pipeline.seq_idx, problem.resolved_seq_idx().to(pipeline.seq_idx.dtype))
+    assert bench.graph_replay(ours).name == "ours_graph"
+    plain = next(bench.our_contenders(build_problem(SMALL)))
+    assert plain.captured is None
+    seen = {}
+    (row,) = bench.mamba_contenders(problem, lambda **kwargs: (seen.update(kwargs), (1, 2))[1])
+    assert row.output(row.call()) == 1
+    assert seen["cu_seqlens"] is problem.cu_seqlens and seen["return_varlen_states"]
+    assert seen["seq_idx"] is problem.seq_idx
+
+
 def test_error_slices_of_the_anchors():
     first, second, third = (s.spec for s in bench.bench_shapes("anchors", 128))
     assert bench.error_slice(first) == (8, 64, 1)          # 2^21 row-heads: whole
@@ -155,10 +211,35 @@ def test_error_slice_is_a_problem_of_its_own(monkeypatch, spec, limit, expected,
     torch.testing.assert_close(sliced, whole[:rows, :, :heads], rtol=1e-12, atol=1e-12)
 
 
-def test_error_slice_refuses_packed_problems():
-    problem = build_problem(dataclasses.replace(SMALL, batch=1, cu_seqlens=(0, 20, 48)))
-    with pytest.raises(ValueError, match="^error slice: expected a problem without seq_idx"):
-        bench.sub_problem(problem, 1, 2, 1)
+@pytest.mark.parametrize("changes", [
+    dict(batch=3, seq_idx_rows=True),
+    dict(batch=1, cu_seqlens=(0, 20, 21, 48), return_varlen_states=True),
+    dict(batch=1, cu_seqlens=(0, 20, 21, 48), initial_states=True,
+         per_sequence_initial_states=True, return_varlen_states=True)],
+    ids=["seq_idx", "cu_seqlens", "per_sequence_starts"])
+def test_error_slice_of_a_packed_problem_is_a_problem_of_its_own(monkeypatch, changes):
+    """Packed problems slice too: seq_idx with their rows, per-sequence initial states whole
+    (with their heads'), a row of cu_seqlens whole; the slice's reference out is the whole
+    problem's, sliced. Fewer rows than a cu_seqlens problem's one are refused."""
+    changes = dict(changes)
+    packed_rows = changes.pop("seq_idx_rows", False)
+    spec = dataclasses.replace(SMALL, nheads=8, ngroups=2, **changes)
+    problem = build_problem(spec)
+    if packed_rows:
+        seq_idx = torch.zeros(3, 48, dtype=torch.int32)
+        seq_idx[1, 17:] = 1
+        seq_idx[2, 5:] += 1
+        seq_idx[2, 40:] += 1
+        problem = problem.with_tensors(seq_idx=seq_idx)
+    rows = 2 if packed_rows else 1
+    whole = chunked_ssd(problem, compute_dtype=torch.float64, state_dtype=torch.float64,
+                        out_dtype=torch.float64).out
+    sliced = bench.reference_out(problem, rows, 4, 1)
+    torch.testing.assert_close(sliced, whole[:rows, :, :4], rtol=1e-12, atol=1e-12)
+    if not packed_rows:
+        with pytest.raises(ValueError, match="^error slice: expected all 1 rows of a problem "
+                                             "with cu_seqlens, got 0$"):
+            bench.sub_problem(problem, 0, 4, 1)
 
 
 def _naive_simple_gla(q, k, v, g=None, scale=None, output_final_state=False, **unused):
