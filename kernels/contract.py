@@ -289,7 +289,7 @@ class PackedIndex:
 def sequence_of(cu_seqlens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The sequence of each position (of cu_seqlens' dtype) under offsets cu_seqlens: int64, in
     [0, nseq] whatever the offsets (a search, never an index)."""
-    return torch.searchsorted(cu_seqlens[1:], positions, right=True)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
 
 
 def _check_packed_values(seq_idx, cu_seqlens, seqlen: int) -> None:

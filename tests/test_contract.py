@@ -461,6 +461,20 @@ def test_deferred_packed_values_reach_the_kernels_only_as_valid_indices(offsets,
             problem.confirm_values()
 
 
+def test_deferred_offsets_of_any_strides_pass_without_a_warning():
+    """cu_seqlens as a strided view (every other offset of a longer tensor) passes the deferred
+    verdict as its copy does, without torch's warning about searching a non-contiguous tensor."""
+    import warnings
+    strided = torch.tensor([0, 9, 3, 9, 7, 9, 10, 9], dtype=P["cu_seqlens"].dtype)[::2]
+    assert not strided.is_contiguous()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        problem = validate(**{**P, "cu_seqlens": strided}, defer_value_checks=True)
+        problem.confirm_values()
+    assert problem.cu_seqlens.tolist() == [0, 3, 7, 10]
+    assert problem.seq_idx.tolist() == P["seq_idx"].tolist()
+
+
 @pytest.mark.parametrize("spec, packing", [
     (dict(batch=2, seqlen=256, nheads=32, x_dtype="bf16", bc_dtype="bf16"), "seq_idx"),
     (dict(batch=1, seqlen=256, nheads=64, x_dtype="bf16", bc_dtype="bf16"), "cu_seqlens"),
