@@ -657,6 +657,29 @@ def test_bench_shape_records_every_row(monkeypatch):
     assert SHAPE.label in bench.format_table(doc)
 
 
+def test_bench_shape_of_a_packed_call_records_ours_and_mamba_ssm_and_fla_refusing(monkeypatch):
+    """A packed shape (cu_seqlens, varlen states) through the same orchestration, stand-ins as
+    above: ours and mamba_ssm checked against the packed float64 reference, fla's rows refusing
+    the packing as peer failures, none of ours failing."""
+    monkeypatch.setattr(bench, "our_contenders", lambda problem, chunk_size=None: iter([
+        bench.Contender("ours", problem.chunk_size,
+                        lambda: _fp32_reference(**problem.call_kwargs()), bench.out_of)]))
+    ctx = bench.RunContext(timer=_WallClockTimer(), copy_gbps=100.0, device="cpu",
+                           peers={"mamba_ssm": (_fp32_reference, "stand-in"),
+                                  "fla": (_naive_simple_gla, "stand-in")})
+    spec = dataclasses.replace(SMALL, batch=1, cu_seqlens=(0, 20, 21, 48), D="head",
+                               return_final_states=False, return_varlen_states=True)
+    record = bench.bench_shape(bench.BenchShape(spec, ("packed:test",)), ctx)
+    rows = record["rows"]
+    for name in ("ours", "mamba_ssm"):
+        assert rows[name]["error"]["normwise_rel"] < 1e-5, name
+    for name in ("fla_kernel", "fla_e2e"):
+        assert rows[name]["failed"].startswith("ValueError: fla: expected a problem without "
+                                               "seq_idx, cu_seqlens")
+    assert record["io_bytes"] == bench.io_bytes(spec) and "+3 seqs" in record["label"]
+    assert bench.our_failures(_doc(record)) == []
+
+
 def test_bench_shape_records_failures_and_missing_peers(monkeypatch):
     def broken_ours(problem, chunk_size=None):
         yield bench.Contender("ours", problem.chunk_size, lambda: 1 / 0, lambda out: out)
