@@ -163,9 +163,9 @@ class SSDProblem:
             return self.seq_idx.to(torch.int64)
         if self.cu_seqlens is None:
             return None
-        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(torch.int64)
-        ids = torch.repeat_interleave(torch.arange(self.nseq, device=lengths.device), lengths)
-        return ids.view(1, self.seqlen)
+        positions = torch.arange(self.seqlen, device=self.cu_seqlens.device,
+                                 dtype=self.cu_seqlens.dtype)
+        return sequence_of(self.cu_seqlens, positions).view(1, self.seqlen)
 
     def with_tensors(self, **tensors) -> "SSDProblem":
         """The same call with some tensors replaced (e.g. moved or upcast); no re-validation, and
@@ -311,10 +311,8 @@ def _check_packed_values(seq_idx, cu_seqlens, seqlen: int) -> None:
     if bool((seq_idx < 0).any()):
         raise _fail("seq_idx", "non-negative values", "a negative value")
     if cu_seqlens is not None:
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-        derived = torch.repeat_interleave(torch.arange(lengths.numel(), device=seq_idx.device),
-                                          lengths)
-        if not torch.equal(seq_idx[0].to(torch.int64), derived):
+        positions = torch.arange(seqlen, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+        if not torch.equal(seq_idx[0].to(torch.int64), sequence_of(cu_seqlens, positions)):
             raise _fail("seq_idx", "the sequence index implied by cu_seqlens", "a different index")
 
 

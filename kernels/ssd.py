@@ -147,7 +147,7 @@ from kernels.chunk_cumsum import (ChunkCumsumConfig, chunk_cumsum, head_block_fo
                                   needs_flat_grid)
 from kernels.chunk_scores import ChunkScoresConfig
 from kernels.compute_out import ComputeOutConfig, OutInputs, compute_out
-from kernels.contract import SSDInputError, SSDProblem, pack_outputs, sequence_of, validate
+from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
 from kernels.device import compute_capability, launch_stream, require_gpu, sm_count
 from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
                                     fwd_pass_state)
@@ -1551,8 +1551,7 @@ def kernel_seq_idx(p: SSDProblem) -> Optional[torch.Tensor]:
     passed validate's checks, or ``kernels.contract.PackedIndex``'s stand-ins)."""
     if p.seq_idx is not None or p.cu_seqlens is None:
         return p.seq_idx
-    positions = torch.arange(p.seqlen, device=p.device, dtype=p.cu_seqlens.dtype)
-    return sequence_of(p.cu_seqlens, positions).to(p.cu_seqlens.dtype).view(1, p.seqlen)
+    return p.resolved_seq_idx().to(p.cu_seqlens.dtype)
 
 
 def run_stages(problem: SSDProblem, state_dtype=None, precision: Optional[str] = None,
@@ -1686,8 +1685,8 @@ def _launch_validated(problem: SSDProblem, chunk_picked: bool, state_dtype, prec
         pipeline = StagePipeline(problem, plan, problem.A.to(torch.float32),
                                  kernel_seq_idx(problem), problem.return_varlen_states)
     result = launch_stages(pipeline)
-    # The kernels are queued; the verdicts on A's and seq_idx's values decide whether their
-    # outputs are returned.
+    # The kernels are queued; the verdicts on A's, seq_idx's and cu_seqlens' values decide
+    # whether their outputs are returned.
     problem.confirm_values()
     return pack_outputs(problem, result.out, result.final_states, result.varlen_states)
 
