@@ -83,10 +83,11 @@ def calls(draw) -> ssd.ProblemKey:
         x_dtype=x_dtype, b_dtype=b_dtype, c_dtype=c_dtype, dt_dtype=dt_dtype,
         z_dtype=draw(st.sampled_from((None, x_dtype) if layer else (None, *DTYPES))),
         start_dtype=start_dtype, seq_dtype=packed, cu_dtype=packed if cu_seqlens else None,
-        nseq=draw(st.integers(1, min(seqlen, 64))) if cu_seqlens else 0,
+        nseq=(nseq := draw(st.integers(1, min(seqlen, 64))) if cu_seqlens else 0),
         has_d=(has_d := draw(st.booleans())), d_per_channel=has_d and draw(st.booleans()),
         has_bias=draw(st.booleans()), softplus=draw(st.booleans()), has_limit=draw(st.booleans()),
-        per_seq_start=cu_seqlens and start_dtype is not None and draw(st.booleans()),
+        # One sequence's initial state is its row's (SSDProblem.per_sequence_initial_states).
+        per_seq_start=nseq > 1 and start_dtype is not None and draw(st.booleans()),
         varlen=varlen, states_returned=varlen or draw(st.booleans()),
         chunk_states_returned=not layer and draw(st.booleans()))
 
