@@ -1596,15 +1596,15 @@ def ssd_forward_stages(problem: SSDProblem, *, state_dtype=None,
                       precision=precision, states_returned=True, chunk_states=True)
 
 
-def default_chunk_size(problem: SSDProblem, precision: Optional[str] = None,
-                       varlen: bool = False) -> int:
+def default_chunk_size(problem: SSDProblem, precision: Optional[str] = None) -> int:
     """The chunk size ``ssd_forward(chunk_size=None)`` runs ``problem`` at (its own chunk_size
-    is ignored): STATE_SCAN_CHUNK_SIZE where the fused state scan or the walk of
-    kernels/scan_out.py takes the call (``fuses_state_scan``, ``walk_state_precision``), else
-    DEFAULT_CHUNK_SIZE."""
+    is ignored; its return_varlen_states counts): STATE_SCAN_CHUNK_SIZE where the fused state
+    scan or the walk of kernels/scan_out.py takes the call (``fuses_state_scan``,
+    ``walk_state_precision``), else DEFAULT_CHUNK_SIZE."""
     # The rule reads no index width: the key skips _key's 2^31 checks of the tensors.
     key = ProblemKey.from_problem(replace(problem, chunk_size=STATE_SCAN_CHUNK_SIZE),
-                                  varlen and problem.cu_seqlens is not None, wide=False)
+                                  problem.return_varlen_states and problem.cu_seqlens is not None,
+                                  wide=False)
     mode = resolve_precision(precision, key.x_dtype)
     states_mode = state_precision(mode, key.x_dtype, key.states_returned)
     device = problem.x.device
@@ -1669,7 +1669,7 @@ def _launch_validated(problem: SSDProblem, chunk_picked: bool, state_dtype, prec
         prepared_key = prepared = None
     if prepared is None:
         if chunk_picked:
-            picked = default_chunk_size(problem, precision, problem.return_varlen_states)
+            picked = default_chunk_size(problem, precision)
             if picked != problem.chunk_size:
                 problem = replace(problem, chunk_size=picked)
         pipeline = stage_pipeline(problem, state_dtype=state_dtype, precision=precision,

@@ -153,7 +153,7 @@ def test_the_chunk_size_pick_agrees_with_the_plan_it_picks(call):
     key, precision = call
     key = dataclasses.replace(key, chunk_states_returned=False)
     problem = dataclasses.replace(launch_problem(key), return_final_states=key.states_returned)
-    picked = ssd.default_chunk_size(problem, precision, key.varlen)
+    picked = ssd.default_chunk_size(problem, precision)
     at_64 = ssd.make_plan(dataclasses.replace(key, chunk_size=ssd.STATE_SCAN_CHUNK_SIZE),
                           None, precision)
     fused = at_64.state_scan is not None or at_64.scan_out is not None
