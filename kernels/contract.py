@@ -157,15 +157,16 @@ class SSDProblem:
         return (self.initial_states is not None and self.cu_seqlens is not None
                 and self.initial_states.shape[0] == self.nseq and not (self.nseq == self.batch == 1))
 
-    def resolved_seq_idx(self) -> Optional[torch.Tensor]:
-        """(batch, seqlen) int64 sequence index of every position, or None when nothing is packed."""
+    def resolved_seq_idx(self, dtype: torch.dtype = torch.int64) -> Optional[torch.Tensor]:
+        """(batch, seqlen) sequence index of every position as ``dtype``, or None when nothing is
+        packed."""
         if self.seq_idx is not None:
-            return self.seq_idx.to(torch.int64)
+            return self.seq_idx.to(dtype)
         if self.cu_seqlens is None:
             return None
         positions = torch.arange(self.seqlen, device=self.cu_seqlens.device,
                                  dtype=self.cu_seqlens.dtype)
-        return sequence_of(self.cu_seqlens, positions).view(1, self.seqlen)
+        return sequence_of(self.cu_seqlens, positions, dtype).view(1, self.seqlen)
 
     def with_tensors(self, **tensors) -> "SSDProblem":
         """The same call with some tensors replaced (e.g. moved or upcast); no re-validation, and
@@ -273,8 +274,8 @@ class PackedIndex:
         stand_in = torch.arange(cu.numel(), device=cu.device, dtype=cu.dtype)
         stand_in[-1] = seqlen
         kernel_cu = torch.where(verdict, cu, stand_in)
-        kernel_seq = None if seq_idx is None else sequence_of(kernel_cu, positions).to(
-            seq_idx.dtype).view(1, seqlen)
+        kernel_seq = None if seq_idx is None else sequence_of(
+            kernel_cu, positions, seq_idx.dtype).view(1, seqlen)
         return PackedIndex(seq_idx, cu_seqlens, seqlen, verdict, kernel_seq, kernel_cu)
 
     def raise_refusal(self) -> None:
@@ -286,10 +287,15 @@ class PackedIndex:
                     "kernels.contract.PackedIndex)")
 
 
-def sequence_of(cu_seqlens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The sequence of each position (of cu_seqlens' dtype) under offsets cu_seqlens: int64, in
-    [0, nseq] whatever the offsets (a search, never an index)."""
-    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+def sequence_of(cu_seqlens: torch.Tensor, positions: torch.Tensor,
+                dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """The sequence of each position (of cu_seqlens' dtype) under offsets cu_seqlens, as
+    ``dtype``: in [0, nseq] whatever the offsets (a search, never an index). int32 comes out of
+    the search itself, no cast: on a GPU each cast is one more small kernel in the call's host
+    path."""
+    found = torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True,
+                               out_int32=dtype == torch.int32)
+    return found.to(dtype)
 
 
 def _check_packed_values(seq_idx, cu_seqlens, seqlen: int) -> None:

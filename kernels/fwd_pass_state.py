@@ -411,8 +411,8 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
     offsets = placeholder_int
     if ends is not None:
         varlen_states = torch.empty(ends.numel(), H, P, N, device=dev, dtype=f32)
-        chunk_starts = torch.arange(nchunks + 1, device=dev, dtype=torch.int32) * Q
-        offsets = torch.searchsorted(ends, chunk_starts).to(torch.int32)
+        chunk_starts = torch.arange(0, (nchunks + 1) * Q, Q, device=dev, dtype=torch.int32)
+        offsets = torch.searchsorted(ends, chunk_starts, out_int32=True)
     row_start = inp.start_states
     if row_start is not None and inp.per_seq_start:
         row_start = row_start[:1]     # batch 1: the row starts with sequence 0

@@ -1551,7 +1551,7 @@ def kernel_seq_idx(p: SSDProblem) -> Optional[torch.Tensor]:
     passed validate's checks, or ``kernels.contract.PackedIndex``'s stand-ins)."""
     if p.seq_idx is not None or p.cu_seqlens is None:
         return p.seq_idx
-    return p.resolved_seq_idx().to(p.cu_seqlens.dtype)
+    return p.resolved_seq_idx(p.cu_seqlens.dtype)
 
 
 def run_stages(problem: SSDProblem, state_dtype=None, precision: Optional[str] = None,
