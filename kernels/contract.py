@@ -268,9 +268,11 @@ class PackedIndex:
             verdict = (seq_idx >= torch.nn.functional.pad(seq_idx[:, :-1], (1, 0))).all()
             return PackedIndex(seq_idx, None, seqlen, verdict, seq_idx, None)
         cu = cu_seqlens
-        positions = torch.arange(seqlen, device=cu.device, dtype=cu.dtype)
         verdict = (cu[0] == 0) & (cu[-1] == seqlen) & (cu[1:] > cu[:-1]).all()
         if seq_idx is not None:
+            # Without seq_idx the kernels' index comes from the offsets they read
+            # (kernels.ssd.kernel_seq_idx): no positions here.
+            positions = torch.arange(seqlen, device=cu.device, dtype=cu.dtype)
             verdict = verdict & (seq_idx[0] == sequence_of(cu, positions)).all()
         # Valid offsets for any nseq <= seqlen, made on the call's stream (no host copy to order).
         stand_in = torch.arange(cu.numel(), device=cu.device, dtype=cu.dtype)
