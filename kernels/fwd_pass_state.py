@@ -154,8 +154,9 @@ def increment_tile(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seq
                    N_BLOCK: ct.Constant[int], MODE: ct.Constant[int], HAS_SEQ: ct.Constant[bool],
                    PER_SEQ_START: ct.Constant[bool], VARLEN: ct.Constant[bool],
                    TRANSPOSED: ct.Constant[bool], ORDERED_LOADS: ct.Constant[bool],
-                   LATENCY: ct.Constant[int]):
-    """Tile ``pid``: one target's increment for one head and P x N tile, and its carry weight."""
+                   LATENCY: ct.Constant[int], ADDS_ENTERING: ct.Constant[bool]):
+    """Tile ``pid``: one target's increment for one head and P x N tile, and its carry weight;
+    ADDS_ENTERING: the target's state from the entering state ``increment`` holds, in place."""
     head, p_block, n_block, rest = split_block_index(pid, nheads, n_p_blocks, n_n_blocks)
     target = rest % ntargets
     batch = rest // ntargets
@@ -176,8 +177,9 @@ def increment_tile(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seq
         seq_before = ct.load(seq_idx, (batch, ct.maximum(first - 1, 0)), shape=(1, 1)).reshape(())
         carried = seq_end == seq_before
     weight = ct.where(carried, exp2_nonpos(hi_end + lo_end), 0.0)
-    if p_block == 0 and n_block == 0:
-        ct.store(carry_weight, (batch, head, target), weight.reshape((1, 1, 1)))
+    if not ADDS_ENTERING:
+        if p_block == 0 and n_block == 0:
+            ct.store(carry_weight, (batch, head, target), weight.reshape((1, 1, 1)))
     acc = chunk_increment(x, B, dt, log2_decay_cumsum, seq_idx, batch, head, group, p_block,
                           n_block, end, seq_end, hi_end, lo_end, CHUNK, ROW_BLOCK, P_BLOCK,
                           N_BLOCK, MODE, HAS_SEQ, TRANSPOSED, ORDERED_LOADS, LATENCY)
@@ -191,6 +193,12 @@ def increment_tile(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seq
         h0 = ct.load(start_states, (seq_end, head, p_block, n_block),
                      shape=(1, 1, P_BLOCK, N_BLOCK), padding_mode=ZERO).reshape((P_BLOCK, N_BLOCK))
         acc = acc + h0.astype(ct.float32) * ct.where(carried, 0.0, exp2_nonpos(exponent))
+    if ADDS_ENTERING:
+        # The walk of kernels/scan_out.py left the state entering the end's chunk here: the
+        # end's state as state_passing forms it from its own (w_seq * h + inc_seq).
+        entering = ct.load(increment, (batch, target, head, p_block, n_block),
+                           shape=(1, 1, 1, P_BLOCK, N_BLOCK)).reshape((P_BLOCK, N_BLOCK))
+        acc = weight * entering + acc
 
     ct.store(increment, (batch, target, head, p_block, n_block),
              acc.reshape((1, 1, 1, P_BLOCK, N_BLOCK)).astype(increment.dtype))
@@ -205,7 +213,7 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
                        HAS_SEQ: ct.Constant[bool], PER_SEQ_START: ct.Constant[bool],
                        VARLEN: ct.Constant[bool], TRANSPOSED: ct.Constant[bool],
                        ORDERED_LOADS: ct.Constant[bool], LATENCY: ct.Constant[int],
-                       PERSISTENT: ct.Constant[bool]):
+                       PERSISTENT: ct.Constant[bool], ADDS_ENTERING: ct.Constant[bool]):
     # PERSISTENT: resident blocks walk the ntiles tiles (KernelVariant.launch_blocks); at the
     # first anchor ncu measured 17% achieved occupancy against 25% possible
     # (experiments/ncu_anchor0_out_alone_5d543e6.txt.gz).
@@ -215,13 +223,13 @@ def chunk_state_kernel(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu
                            target_ends, increment, carry_weight, seqlen, nchunks, ntargets,
                            nheads, heads_per_group, n_p_blocks, n_n_blocks, tile, CHUNK,
                            ROW_BLOCK, P_BLOCK, N_BLOCK, MODE, HAS_SEQ, PER_SEQ_START, VARLEN,
-                           TRANSPOSED, ORDERED_LOADS, LATENCY)
+                           TRANSPOSED, ORDERED_LOADS, LATENCY, ADDS_ENTERING)
     else:
         increment_tile(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seqlens,
                        target_ends, increment, carry_weight, seqlen, nchunks, ntargets, nheads,
                        heads_per_group, n_p_blocks, n_n_blocks, ct.bid(0), CHUNK, ROW_BLOCK,
                        P_BLOCK, N_BLOCK, MODE, HAS_SEQ, PER_SEQ_START, VARLEN, TRANSPOSED,
-                       ORDERED_LOADS, LATENCY)
+                       ORDERED_LOADS, LATENCY, ADDS_ENTERING)
 
 
 def state_passing_kernel(increment, carry_weight, start_states, varlen_offsets, chunk_states,
@@ -295,11 +303,15 @@ class ChunkStateConfig(KernelVariant):
     occupancy: int | None = None
     worker_warps: int | None = None     # tile_ops.with_hints; None: the compiler's (4)
     persistent: bool = False            # KernelVariant.launch_blocks
+    # The sequences' ends alone, each added to the state the walk stored for it in place
+    # (``add_sequence_end_increments``).
+    adds_entering: bool = False
 
     def constants(self) -> tuple:
         return (self.chunk_size, self.row_block, self.p_block, self.n_block,
                 MODE[self.precision], self.has_seq, self.per_seq_start, self.varlen,
-                self.transposed, self.ordered_loads, self.latency, self.persistent)
+                self.transposed, self.ordered_loads, self.latency, self.persistent,
+                self.adds_entering)
 
     def signature(self):
         f32, i32, w = torch.float32, torch.int32, self.wide
@@ -318,7 +330,8 @@ class ChunkStateConfig(KernelVariant):
                 f"per_seq_start={self.per_seq_start} varlen={self.varlen} "
                 f"transposed={self.transposed} ordered_loads={self.ordered_loads} "
                 f"latency={self.latency} int64={self.wide} occupancy={self.occupancy} "
-                f"worker_warps={self.worker_warps} persistent={self.persistent}")
+                f"worker_warps={self.worker_warps} persistent={self.persistent} "
+                f"adds_entering={self.adds_entering}")
 
 
 @dataclass(frozen=True)
@@ -381,9 +394,7 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
     Q = chunk_cfg.chunk_size
     nchunks = -(-L // Q)
     dev, f32 = inp.x.device, torch.float32
-    ends = None
-    if inp.varlen:
-        ends = (inp.cu_seqlens[1:] - 1).to(torch.int32)
+    ends = sequence_ends(inp.cu_seqlens) if inp.varlen else None
     ntargets = nchunks + (0 if ends is None else ends.numel())
     if chunk_cfg.increment_dtype != pass_cfg.increment_dtype:
         raise ValueError(f"the chunk_state and state_passing configs disagree on the increments' "
@@ -411,8 +422,7 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
     offsets = placeholder_int
     if ends is not None:
         varlen_states = torch.empty(ends.numel(), H, P, N, device=dev, dtype=f32)
-        chunk_starts = torch.arange(0, (nchunks + 1) * Q, Q, device=dev, dtype=torch.int32)
-        offsets = torch.searchsorted(ends, chunk_starts, out_int32=True)
+        offsets = sequence_end_offsets(ends, nchunks, Q)
     row_start = inp.start_states
     if row_start is not None and inp.per_seq_start:
         row_start = row_start[:1]     # batch 1: the row starts with sequence 0
@@ -423,3 +433,40 @@ def fwd_pass_state(inp: StateInputs, chunk_cfg: ChunkStateConfig, pass_cfg: Stat
                final_states if varlen_states is None else varlen_states,
                nchunks, H, npb, nnb, *pass_cfg.constants()))
     return chunk_states, final_states, varlen_states
+
+
+def sequence_ends(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The last position of each sequence of cu_seqlens, (nseq,) int32 in order."""
+    return (cu_seqlens[1:] - 1).to(torch.int32)
+
+
+def sequence_end_offsets(ends: torch.Tensor, nchunks: int, chunk_size: int) -> torch.Tensor:
+    """(nchunks + 1,) int32: the ends in chunk c are ends[offsets[c]:offsets[c + 1]]."""
+    chunk_starts = torch.arange(0, (nchunks + 1) * chunk_size, chunk_size, device=ends.device,
+                                dtype=torch.int32)
+    return torch.searchsorted(ends, chunk_starts, out_int32=True)
+
+
+def add_sequence_end_increments(x, B, dt, log2_decay_cumsum, A, ends, varlen_states,
+                                cfg: ChunkStateConfig, stream=None) -> None:
+    """varlen_states (nseq, H, P, N) fp32, holding the state entering the chunk of each end
+    (batch 1; the walk of kernels/scan_out.py stores them), becomes each sequence's state after
+    its end: chunk_state launched over the ends alone (``cfg.adds_entering``), the carry weight
+    and increment of each as ``fwd_pass_state`` computes them, its resets read from the cumsum
+    (kernels/chunk_cumsum.py) rather than a sequence index."""
+    if not (cfg.adds_entering and cfg.varlen and not cfg.has_seq and not cfg.per_seq_start
+            and cfg.increment_dtype == torch.float32):
+        raise ValueError(f"add_sequence_end_increments: expected a chunk_state config over the "
+                         f"ends alone (adds_entering and varlen, no sequence index, no "
+                         f"per-sequence starts, float32 increments), got {cfg.describe()}")
+    _, L, H, P = x.shape
+    nseq, N = ends.numel(), B.shape[3]
+    dev = x.device
+    npb, nnb = -(-P // cfg.p_block), -(-N // cfg.n_block)
+    ntiles = nseq * H * npb * nnb
+    # No chunk targets before the ends (nchunks 0): target k is end k.
+    ct.launch(launch_stream(x, stream), (cfg.launch_blocks(ntiles, dev),), cfg.kernel,
+              (x, B, dt, log2_decay_cumsum, A, placeholder(dev, cfg.seq_dtype, 2),
+               placeholder(dev, cfg.start_dtype, 4), placeholder(dev, cfg.cu_dtype, 1), ends,
+               varlen_states.view(1, nseq, H, P, N), placeholder(dev, torch.float32, 3),
+               L, 0, nseq, H, H // B.shape[2], npb, nnb, ntiles, *cfg.constants()))

@@ -389,16 +389,17 @@ def check_problem(problem: SSDProblem, precision=None, chunk_state_dtype=None,
                            state_dtype=chunk_state_dtype or torch.float32)
     ours = dict(out=result.out, final_states=result.final_states,
                 varlen_states=result.varlen_states, **result.stages)
-    if not problem.return_varlen_states:
-        # ssd_forward's out (and final states) as the call computes them: out alone, its chunk
-        # states in its own mode (kernels.ssd.state_precision); either way through the walk of
-        # kernels/scan_out.py where the dispatcher takes it, which stores no chunk state. The
-        # stages above as always.
-        call = run_stages(problem, state_dtype=chunk_state_dtype, precision=precision,
-                          states_returned=problem.return_final_states)
-        ours["out"] = call.out
-        if problem.return_final_states:
-            ours["final_states"] = call.final_states
+    # ssd_forward's out (and final and varlen states) as the call computes them: out alone, its
+    # chunk states in its own mode (kernels.ssd.state_precision); either way through the walk of
+    # kernels/scan_out.py where the dispatcher takes it, which stores no chunk state. The stages
+    # above as always.
+    call = run_stages(problem, state_dtype=chunk_state_dtype, precision=precision,
+                      varlen=problem.return_varlen_states,
+                      states_returned=problem.return_final_states)
+    ours["out"] = call.out
+    for name in ("final_states", "varlen_states"):
+        if getattr(problem, f"return_{name}"):
+            ours[name] = getattr(call, name)
     baseline = dict(out=base.out, final_states=base.final_states,
                     varlen_states=base.varlen_states, **base.stages)
     dtypes = dict(out=problem.x.dtype, final_states=torch.float32, varlen_states=torch.float32,

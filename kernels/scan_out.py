@@ -162,6 +162,7 @@ def step_rows(array, batch, step, head, p_block, ROWS: ct.Constant[int],
 
 def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, out, final_states,
                     nchunks, nheads, heads_per_group, n_p_blocks, nsegments, segment_steps,
+                    varlen_offsets, varlen_states,
                     CHUNK: ct.Constant[int], P_BLOCK: ct.Constant[int], N_PAD: ct.Constant[int],
                     MODE: ct.Constant[int], HAS_START: ct.Constant[bool],
                     HAS_D: ct.Constant[bool], HAS_Z: ct.Constant[bool],
@@ -170,7 +171,8 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                     OUT: ct.Constant[bool], UPDATE_EARLY: ct.Constant[bool],
                     X_LATENCY: ct.Constant[int], B_LATENCY: ct.Constant[int],
                     BACKWARD: ct.Constant[bool], OUT_TRANSPOSED: ct.Constant[bool],
-                    D_ON_DIAGONAL: ct.Constant[bool], WEIGHTS_MODE: ct.Constant[int]):
+                    D_ON_DIAGONAL: ct.Constant[bool], WEIGHTS_MODE: ct.Constant[int],
+                    VARLEN: ct.Constant[bool]):
     # Heads vary fastest: blocks running together read the same C, B and scores tiles.
     pid = ct.bid(0)
     head = pid % nheads
@@ -263,6 +265,15 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
                 chunk = step
             else:
                 chunk = step * STEP + k
+            if VARLEN:
+                # The state entering the chunk, once for each sequence that ends in it
+                # (varlen_offsets[c] to [c + 1] of the ends in order; none past the last chunk):
+                # chunk_state adds the ends' own increments ('Varlen states' above).
+                first_end = ct.load(varlen_offsets, (ct.minimum(chunk, nchunks),), shape=())
+                stop_end = ct.load(varlen_offsets, (ct.minimum(chunk + 1, nchunks),), shape=())
+                for end in range(first_end, stop_end):
+                    ct.store(varlen_states, (end, head, p_block, 0),
+                             h.reshape((1, 1, P_BLOCK, N_PAD)))
             if OUT:
                 C_c = ct.extract(C_all, (k, 0), shape=(CHUNK, N_PAD))
             B_c = ct.extract(B_all, (k, 0), shape=(CHUNK, N_PAD))
@@ -340,7 +351,7 @@ def scan_out_kernel(x, B, C, scores, dt, log2_decay_cumsum, start_states, D, z, 
 
 # x, z, out, B, C and the states can pass 2^31 elements: 64-bit indexing in the wide variant.
 KERNELS = index_variants(scan_out_kernel, ("x", "B", "C", "scores", "start_states", "z", "out",
-                                           "final_states"))
+                                           "final_states", "varlen_states"))
 
 
 @dataclass(frozen=True)
@@ -389,6 +400,9 @@ class ScanOutConfig(KernelVariant):
     # The mode of the MMA of out's in-chunk weights with x ('The weights' MMA' above): "" the
     # walk's (``precision``), else a PRECISIONS name.
     weights_precision: str = ""
+    # The walk of out stores the state entering each chunk that holds a sequence's end
+    # ('Varlen states' above).
+    varlen: bool = False
 
     def __post_init__(self):
         if self.d_term not in D_TERMS:
@@ -397,6 +411,9 @@ class ScanOutConfig(KernelVariant):
         if self.weights_precision and self.weights_precision not in MODE:
             raise ValueError(f"ScanOutConfig.weights_precision: expected '' or one of "
                              f"{tuple(MODE)}, got {self.weights_precision!r}")
+        if self.varlen and not self.computes_out:
+            raise ValueError("ScanOutConfig.varlen: expected a walk of out (computes_out True), "
+                             "got the states-only walk, which stores no entering state")
 
     @property
     def weights_mode(self) -> int:
@@ -408,7 +425,7 @@ class ScanOutConfig(KernelVariant):
                 self.has_d, self.has_z, self.shared_scores, self.chunks_per_step,
                 MODE[self.state_precision], self.segmented, self.computes_out, self.update_early,
                 self.x_latency, self.b_latency, self.backward, self.out_transposed,
-                self.d_term != "elementwise", self.weights_mode)
+                self.d_term != "elementwise", self.weights_mode, self.varlen)
 
     def scores_config(self) -> ChunkScoresConfig:
         """The shared scores this kernel reads: whole chunks as one tile."""
@@ -427,7 +444,7 @@ class ScanOutConfig(KernelVariant):
             array_constraint(self.start_dtype, 4, w), array_constraint(f32, 2),
             array_constraint(self.z_dtype, 4, w), array_constraint(self.x_dtype, 4, w),
             array_constraint(f32, 4, w), *(scalar_constraint(i32) for _ in range(6)),
-            *self.constants()])
+            array_constraint(i32, 1), array_constraint(f32, 4, w), *self.constants()])
 
     def describe(self) -> str:
         return (f"scan_out x={self.x_dtype} B={self.b_dtype} C={self.c_dtype} z={self.z_dtype} "
@@ -438,21 +455,30 @@ class ScanOutConfig(KernelVariant):
                 f"step={self.chunks_per_step} segmented={self.segmented} "
                 f"out={self.computes_out} backward={self.backward} "
                 f"transposed={self.out_transposed} d_term={self.d_term} "
-                f"weights={self.weights_precision or self.precision}")
+                f"weights={self.weights_precision or self.precision} varlen={self.varlen}")
 
 
 def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutConfig,
-             stream=None, segments: int = 1, segment_steps: int = 0):
+             stream=None, segments: int = 1, segment_steps: int = 0, varlen_offsets=None,
+             varlen_states=None):
     """(out, final_states); see the module docstring. D (H, P) fp32 or None; z, start_states
     or None. stream: where to launch (default: the current stream of the inputs' device). With
     ``cfg.segmented``, the blocks walk ``segments`` segments of ``segment_steps`` steps from the
     sequence's start: start_states (b * segments, H, P, N) and final_states likewise, a row per
-    (batch row, segment). Without ``cfg.computes_out``, out is None."""
+    (batch row, segment). Without ``cfg.computes_out``, out is None. With ``cfg.varlen`` (batch
+    1), varlen_states (nseq, H, P, N) fp32 gets the state entering the chunk of each sequence's
+    end, varlen_offsets (nchunks + 1,) int32 holding the ends chunk by chunk
+    (``kernels.fwd_pass_state.sequence_end_offsets``)."""
     if (D is not None and cfg.d_term != "elementwise" and D.shape[1] > 1
             and D.stride(1) != 0):
         raise ValueError(f"scan_out: d_term {cfg.d_term!r} puts D per head on the weights' "
                          f"diagonal and needs D (nheads, headdim) of stride 0 along headdim "
                          f"(D per head), got strides {tuple(D.stride())}")
+    if cfg.varlen != (varlen_states is not None) or cfg.varlen != (varlen_offsets is not None):
+        raise ValueError(f"scan_out: expected varlen_offsets and varlen_states exactly where "
+                         f"the config stores varlen states (varlen={cfg.varlen}), got "
+                         f"{'none' if varlen_states is None else 'varlen_states'} and "
+                         f"{'none' if varlen_offsets is None else 'varlen_offsets'}")
     stream = launch_stream(x, stream)
     b, L, H, P = x.shape
     N = B.shape[3]
@@ -471,5 +497,10 @@ def scan_out(x, B, C, dt, log2_decay_cumsum, start_states, D, z, cfg: ScanOutCon
                # an alias set of two, and then cuTile orders its stores one after another.
                z if z is not None else placeholder(dev, x.dtype, 4), out, final_states,
                -(-L // cfg.chunk_size), H, H // B.shape[2], npb, segments, segment_steps,
+               # Without varlen states, stand-ins: those walks compile to the instructions they
+               # had before these two (sm_90: only the TMA descriptors' offsets in the parameter
+               # space move, by 64 bytes).
+               varlen_offsets if cfg.varlen else placeholder(dev, torch.int32, 1),
+               varlen_states if cfg.varlen else placeholder(dev, f32, 4),
                *cfg.constants()))
     return (out if cfg.computes_out else None), final_states

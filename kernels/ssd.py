@@ -150,7 +150,8 @@ from kernels.compute_out import ComputeOutConfig, OutInputs, compute_out
 from kernels.contract import SSDInputError, SSDProblem, pack_outputs, validate
 from kernels.device import compute_capability, launch_stream, require_gpu, sm_count
 from kernels.fwd_pass_state import (ChunkStateConfig, StateInputs, StatePassingConfig,
-                                    fwd_pass_state)
+                                    add_sequence_end_increments, fwd_pass_state,
+                                    sequence_end_offsets, sequence_ends)
 from kernels.entering_states import (ENTERING_P_BLOCK, EnteringStatesConfig,
                                      segment_entering_states)
 from kernels.scan_out import ScanOutConfig, scan_out
@@ -565,6 +566,12 @@ class ProblemKey:
     # Every stage is handed back, the chunk states too (``ssd_forward_stages``): no walk.
     chunk_states_returned: bool = False
 
+    def __post_init__(self):
+        # Varlen states computed are states returned: their sums float32-grade
+        # (``state_precision``), whatever the caller said of the rest.
+        if self.varlen and not self.states_returned:
+            object.__setattr__(self, "states_returned", True)
+
     @classmethod
     def from_problem(cls, p: SSDProblem, varlen: bool, wide: bool,
                      states_returned: Optional[bool] = None,
@@ -636,7 +643,10 @@ class Plan:
         if self.scan_out is not None:
             if self.scan_out.shared_scores:
                 named.append(("chunk_scores", self.scan_out.scores_config()))
-            return (*named, ("scan_out", self.scan_out))
+            named.append(("scan_out", self.scan_out))
+            if self.scan_out.varlen:
+                named.append(("varlen_states", self.chunk_state))
+            return tuple(named)
         if self.state_scan is not None:
             named.append(("state_scan", self.state_scan))
         else:
@@ -1255,8 +1265,9 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     SCAN_OUT_MIN_ROW_HEADS (row, head) pairs or more, or fewer split in ``segments``
     (``walk_segments``) where ``walk_takes_few_pairs``, dstate up to the mode's
     ``walk_max_dstate`` on a GPU of compute ``capability`` (the state in registers), packed
-    sequences without per-sequence starts or varlen states (their resets in the cumsum,
-    kernels/chunk_cumsum.py), not both z and D unless the walk's blocks run paired
+    sequences without per-sequence starts (their resets in the cumsum, kernels/chunk_cumsum.py;
+    varlen states from the states it enters their ends' chunks with, kernels/scan_out.py), not
+    both z and D unless the walk's blocks run paired
     (``walk_occupancy``), and no chunk states handed back. The state update is in the mode
     ``state_precision`` gives the chunk states (out alone, 'input' (bf16), '2xfp16' or
     '3xbf16'; returning final states, their float32-grade mode), or, one block an SM, in the one
@@ -1266,7 +1277,7 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
                  or walk_takes_few_pairs(key, mode, segments))
             and next_pow2(key.dstate) <= walk_max_dstate(mode, capability)
-            and not key.per_seq_start and not key.varlen
+            and not key.per_seq_start
             and not key.chunk_states_returned
             and (occupancy == 2 or not (key.has_d and key.z_dtype is not None))):
         return None
@@ -1399,13 +1410,19 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
                                  mode, occupancy, shared_scores, n_pad, early, key.has_d,
                                  key.z_dtype is not None,
                                  not split and walk_states_mode != mode
-                                 and key.start_dtype is None))
+                                 and key.start_dtype is None),
+                             varlen=key.varlen)
+        if key.varlen:
+            # The sequences' ends alone, added to the states the walk enters their chunks with
+            # (kernels.fwd_pass_state.add_sequence_end_increments); resets from the cumsum.
+            chunk_state = replace(chunk_state, has_seq=False, seq_dtype=int32, cu_dtype=int32,
+                                  adds_entering=True)
         if split:
             # The segments but the last, in parts, their state alone from zero.
             segment_states = replace(
                 walk, start_dtype=f32, has_start=False, has_d=False, has_z=False,
                 shared_scores=False, computes_out=False, update_early=False, x_latency=0,
-                b_latency=0, out_transposed=False, backward=walks_states_backward(key, n_pad),
+                b_latency=0, out_transposed=False, varlen=False, backward=walks_states_backward(key, n_pad),
                 occupancy=walk_occupancy(key, mode, sms, capability, (segments - 1) * parts))
             entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
                                             p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,
@@ -1488,14 +1505,33 @@ class StagePipeline:
         return p.D.to(torch.float32).reshape(p.nheads, -1).expand(p.nheads, p.headdim)
 
     def walk(self, dt, log2_cumsum, stream=None):
-        """(out, final_states) of kernels/scan_out.py's walk, where the plan has one; split in
-        ``plan.walk_segments``, after the states-only walk (of ``plan.segment_split`` parts a
-        segment) and the segments' entering states."""
+        """(out, final_states, varlen_states or None) of kernels/scan_out.py's walk, where the
+        plan has one; split in ``plan.walk_segments``, after the states-only walk (of
+        ``plan.segment_split`` parts a segment) and the segments' entering states; varlen
+        states from the states the walk enters their ends' chunks with, and chunk_state over
+        the ends (``plan.scan_out.varlen``)."""
+        p, plan = self.problem, self.plan
+        varlen = {}
+        if plan.scan_out.varlen:
+            ends = sequence_ends(p.cu_seqlens)
+            Q = plan.scan_out.chunk_size
+            varlen = dict(varlen_offsets=sequence_end_offsets(ends, -(-p.seqlen // Q), Q),
+                          varlen_states=torch.empty(p.nseq, p.nheads, p.headdim, p.dstate,
+                                                    device=p.x.device, dtype=torch.float32))
+        out, finals = self._walk_out(dt, log2_cumsum, stream, varlen)
+        if not varlen:
+            return out, finals, None
+        add_sequence_end_increments(p.x, p.B, dt, log2_cumsum, self.A, ends,
+                                    varlen["varlen_states"], plan.chunk_state, stream)
+        return out, finals, varlen["varlen_states"]
+
+    def _walk_out(self, dt, log2_cumsum, stream, varlen: dict):
+        """(out, final_states) of the walk (``walk``); ``varlen``: scan_out's varlen arrays."""
         p, plan = self.problem, self.plan
         segments, split = plan.walk_segments, plan.segment_split
         if segments == 1:
             return scan_out(p.x, p.B, p.C, dt, log2_cumsum, p.initial_states, self._d(), p.z,
-                            plan.scan_out, stream)
+                            plan.scan_out, stream, **varlen)
         # Parts of whole steps, ``split`` a segment (kernels/entering_states.py).
         steps = -(-p.seqlen // (plan.scan_out.chunk_size * plan.scan_out.chunks_per_step))
         part_steps = -(-steps // (segments * split))
@@ -1506,7 +1542,7 @@ class StagePipeline:
                                            part_steps * plan.scan_out.chunks_per_step,
                                            plan.entering_states, stream)
         out, finals = scan_out(p.x, p.B, p.C, dt, log2_cumsum, entering, self._d(), p.z,
-                               plan.scan_out, stream, segments, split * part_steps)
+                               plan.scan_out, stream, segments, split * part_steps, **varlen)
         return out, finals.view(p.batch, segments, *finals.shape[1:])[:, -1].contiguous()
 
     def out(self, dt, log2_cumsum, chunk_states, stream=None):
@@ -1571,8 +1607,8 @@ def launch_stages(pipeline: StagePipeline) -> SSDResult:
     stream = launch_stream(pipeline.problem.x)
     dt, log2_cumsum = pipeline.cumsum(stream)
     if pipeline.plan.scan_out is not None:
-        chunk_states = varlen_states = None
-        out, final_states = pipeline.walk(dt, log2_cumsum, stream)
+        chunk_states = None
+        out, final_states, varlen_states = pipeline.walk(dt, log2_cumsum, stream)
     else:
         chunk_states, final_states, varlen_states = pipeline.states(dt, log2_cumsum, stream)
         out = pipeline.out(dt, log2_cumsum, chunk_states, stream)

@@ -238,6 +238,15 @@ COVERING_KEYS = (
     ("b1-L65536-h64-q64-packed-start-final-states-walk-segments",
      replace(_anchor(1, 65536, 64, 1, seq_dtype=i64, start_dtype=f32), chunk_size=64), None,
      None),
+    # Packed prefills by cu_seqlens returning varlen states (bench --shapes packed's layers): the
+    # walk stores the state entering each end's chunk, chunk_state adds the ends' increments
+    # (kernels.fwd_pass_state.add_sequence_end_increments); unsplit at 128 heads in 8 groups,
+    # split into four segments at 80 heads.
+    *((f"b1-L16384-h{nheads}{name}-q64-packed-varlen-layer-walk{walk}",
+       replace(_anchor(1, 16384, nheads, groups, seq_dtype=i32, cu_dtype=i32, nseq=8,
+                       varlen=True, has_d=True, has_bias=True, softplus=True), chunk_size=64),
+       None, None)
+      for nheads, name, groups, walk in ((128, "-g8", 8, ""), (80, "", 1, "-segments"))),
     ("int64-b1-L139264-h256-q64-out-only-fused",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),
     # Past 65,535 rows x head blocks chunk_cumsum's grid is flat

@@ -776,16 +776,20 @@ def _packed_rows(batch: int, seqlen: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _assert_packed_call_passes_and_agrees_with_chunk_256(problem, final_states: bool):
-    """The packed call held to the rule against float64, and its out (and final states) equal to
-    what chunk 256's two state kernels and compute_out compute, to 16-bit roundings."""
+    """The packed call held to the rule against float64, and its out (and final and varlen
+    states) equal to what chunk 256's two state kernels and compute_out compute, to 16-bit
+    roundings."""
     record = check_problem(problem, with_mamba=False)
     assert not record["violations"], record["violations"]
     kwargs = problem.call_kwargs()
     ours = ssd_forward(**{**kwargs, "chunk_size": None})
     theirs = ssd_forward(**{**kwargs, "chunk_size": 256})
-    if not final_states:
+    names = ("out", *(("final_states",) if final_states else ()),
+             *(("varlen_states",) if problem.return_varlen_states else ()))
+    if len(names) == 1:
         ours, theirs = (ours,), (theirs,)
-    for name, a, b in zip(("out", "final_states"), ours, theirs):
+    assert len(ours) == len(theirs) == len(names)
+    for name, a, b in zip(names, ours, theirs):
         a, b = a.double(), b.double()
         tol = relation_tolerance(problem.x.dtype, float(b.abs().max()))
         assert float((a - b).abs().max()) <= tol, name
@@ -949,6 +953,71 @@ def test_packed_sequences_walk_split_and_pass_the_rule(nheads, dstate, D, z, ini
         plan.walk_segments, plan.segment_split)
     assert pipeline.plan.segment_states.backward == (dstate == 128)
     assert pipeline.plan.cumsum.seq_dtype == seq_dtype
+    _assert_packed_call_passes_and_agrees_with_chunk_256(problem, final_states)
+
+
+# Sequence ends mid-chunk, at chunk 0's last position and chunk 1's first (a one-token
+# sequence), four in chunk 3 (three of one token) and at the row's last position.
+PREFILL_OFFSETS = (0, 40, 64, 65, 130, 200, 201, 202, 203, 640, 899, 900)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("nheads, ngroups, z, final_states, pass_seq_idx, cu_dtype", [
+    (128, 8, False, False, True, torch.int32), (128, 1, True, True, False, torch.int64)])
+def test_packed_prefills_walk_and_store_their_varlen_states(nheads, ngroups, z, final_states,
+                                                            pass_seq_idx, cu_dtype):
+    """One row of 128 heads packed by cu_seqlens (``PREFILL_OFFSETS``; with seq_idx or alone)
+    returning varlen states at chunk_size None, as a serving engine's prefill calls it (D per
+    head, dt's bias and softplus): the walk of kernels/scan_out.py unsplit, one block an SM,
+    storing the state entering each end's chunk, then chunk_state over the ends alone
+    (kernels.fwd_pass_state.add_sequence_end_increments); with z and final states too. out and
+    the final and varlen states held to the rule against float64 and equal to what chunk 256's
+    two state kernels and compute_out compute, to 16-bit roundings."""
+    from kernels.ssd import default_chunk_size
+    spec = ProblemSpec(batch=1, seqlen=PREFILL_OFFSETS[-1], nheads=nheads, headdim=64,
+                       dstate=128, ngroups=ngroups, chunk_size=64, x_dtype="bf16",
+                       bc_dtype="bf16", D="head", z=z, dt_bias=True, dt_softplus=True,
+                       cu_seqlens=PREFILL_OFFSETS, pass_seq_idx=pass_seq_idx,
+                       return_final_states=final_states, return_varlen_states=True)
+    built = build_problem(spec, "cuda")
+    problem = built.with_tensors(cu_seqlens=built.cu_seqlens.to(cu_dtype))
+    assert default_chunk_size(problem) == 64
+    plan = stage_pipeline(problem).plan
+    assert plan.scan_out.varlen and not plan.scan_out.segmented
+    assert plan.named_configs()[-1] == ("varlen_states", plan.chunk_state)
+    _assert_packed_call_passes_and_agrees_with_chunk_256(problem, final_states)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@large
+@pytest.mark.parametrize("nheads, z, final_states", [(80, False, False), (24, True, True)])
+def test_packed_prefills_walk_split_and_store_their_varlen_states(nheads, z, final_states):
+    """One row of 16,400 tokens packed by cu_seqlens at the split walk's seams
+    (``_packed_at_seams``: sequences ending at a part's last position, one of one token at the
+    second segment's first) returning varlen states at chunk_size None: the walk split into
+    segments (four at 80 heads, in parts at 24), the states-only walk from zero, the segments'
+    entering states, then the walk storing the state entering each end's chunk and chunk_state
+    over the ends; with z and final states too. out and the final and varlen states held to the
+    rule against float64 and equal to what chunk 256's kernels compute, to 16-bit roundings."""
+    from dataclasses import replace
+    seqlen = 16400
+    spec = ProblemSpec(batch=1, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
+                       ngroups=1, chunk_size=64, x_dtype="bf16", bc_dtype="bf16", D="head", z=z,
+                       dt_bias=True, dt_softplus=True, cu_seqlens=(0, seqlen),
+                       return_final_states=final_states, return_varlen_states=True)
+    plan = stage_pipeline(build_problem(spec, "cuda")).plan
+    assert plan.walk_segments > 1 and plan.scan_out.varlen
+    nchunks = -(-seqlen // 64)
+    part = -(-nchunks // (plan.walk_segments * plan.segment_split)) * 64
+    seq_idx = _packed_at_seams(seqlen, part, plan.segment_split, torch.int64)[0]
+    starts = (torch.nonzero(seq_idx[1:] != seq_idx[:-1])[:, 0] + 1).tolist()
+    problem = build_problem(replace(spec, cu_seqlens=(0, *starts, seqlen)), "cuda")
+    pipeline = stage_pipeline(problem)
+    assert (pipeline.plan.walk_segments, pipeline.plan.segment_split) == (
+        plan.walk_segments, plan.segment_split)
+    assert pipeline.plan.segment_split == (1 if nheads == 80 else 2)
     _assert_packed_call_passes_and_agrees_with_chunk_256(problem, final_states)
 
 
