@@ -134,6 +134,7 @@ in 'input' with bf16 states, the tuned states stage at the first anchor takes 0.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -353,6 +354,15 @@ WALK_PAIRING_SM90 = {"2xfp16": (128, 1.47)}
 # nothing (0.99-1.17x).
 WALK_MODES = {"input": "bfloat16", "2xbf16": "bfloat16", "2xfp16": "float16",
               "3xbf16": "float32"}
+# Whether the walk takes calls that return varlen states (packed prefills by cu_seqlens): it
+# stores the state entering each chunk that holds a sequence's end, then chunk_state adds the
+# ends' increments (kernels/scan_out.py's ``varlen``, ``kernels.fwd_pass_state.
+# add_sequence_end_increments``). Off until a GPU has run them: written on 2026-12-08 and
+# compiled for sm_80, sm_90 and sm_100 (CI), never run, so such calls keep chunk 256's three
+# kernels, which GPUs have tested (1.11-1.15x mamba_ssm's replays on the H100,
+# reports/h100/packed/). tests/test_kernels_gpu.py's prefill tests run them under this rule
+# (``dispatch_rules``), as does ``mamba2-cutile ab --arm 'walk ssd.WALK_VARLEN_STATES=true'``.
+WALK_VARLEN_STATES = False
 # Modes whose walk from a start state (the call's initial states, or a segment's entering state
 # where the walk splits) computes its own scores (``walk_shares_scores``). In '2xbf16' at dstate
 # 128, one block an SM, reading the shared scores, the first chunk's out raced on the H100 at
@@ -1266,8 +1276,8 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
     (``walk_segments``) where ``walk_takes_few_pairs``, dstate up to the mode's
     ``walk_max_dstate`` on a GPU of compute ``capability`` (the state in registers), packed
     sequences without per-sequence starts (their resets in the cumsum, kernels/chunk_cumsum.py;
-    varlen states from the states it enters their ends' chunks with, kernels/scan_out.py), not
-    both z and D unless the walk's blocks run paired
+    varlen states, where WALK_VARLEN_STATES lets it, from the states it enters their ends'
+    chunks with, kernels/scan_out.py), not both z and D unless the walk's blocks run paired
     (``walk_occupancy``), and no chunk states handed back. The state update is in the mode
     ``state_precision`` gives the chunk states (out alone, 'input' (bf16), '2xfp16' or
     '3xbf16'; returning final states, their float32-grade mode), or, one block an SM, in the one
@@ -1277,7 +1287,7 @@ def walk_state_precision(key: ProblemKey, mode: str, states_mode: str,
             and (key.batch * key.nheads >= SCAN_OUT_MIN_ROW_HEADS
                  or walk_takes_few_pairs(key, mode, segments))
             and next_pow2(key.dstate) <= walk_max_dstate(mode, capability)
-            and not key.per_seq_start
+            and not key.per_seq_start and (WALK_VARLEN_STATES or not key.varlen)
             and not key.chunk_states_returned
             and (occupancy == 2 or not (key.has_d and key.z_dtype is not None))):
         return None
@@ -1434,6 +1444,33 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
         out = replace(out, has_seq=False, seq_dtype=int32)
     return Plan(cumsum, chunk_state, passing, out, scan, walk, segment_states, segments, parts,
                 entering)
+
+
+@contextlib.contextmanager
+def dispatch_rules(rules: dict):
+    """This module's dispatch constants as ``rules`` ({(NAME, dict key or None): value}) set
+    them, within (a dict's item in a copy of the dict); the plan caches (``_plan``, ssd_forward's
+    ``_PREPARED``) are emptied going in and coming out, so that a plan made within is the rules'
+    and one made after is the dispatcher's. ``mamba2-cutile ab``'s ``ssd.<NAME>=`` arms, CI's
+    covering recipes and the tests of a rule not yet dispatched plan under it. No rules: the
+    caches kept."""
+    if not rules:
+        yield
+        return
+    saved = []
+    try:
+        for (name, key), value in rules.items():
+            current = globals()[name]
+            saved.append((name, current))
+            globals()[name] = value if key is None else {**current, key: value}
+        _plan.cache_clear()
+        _PREPARED.clear()
+        yield
+    finally:
+        for name, current in reversed(saved):
+            globals()[name] = current
+        _plan.cache_clear()
+        _PREPARED.clear()
 
 
 def _check_supported(problem: SSDProblem, state_dtype) -> None:

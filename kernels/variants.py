@@ -64,7 +64,7 @@ from cuda.tile.compilation import ArrayConstraint, KernelSignature, export_kerne
 from kernels.contract import SSDProblem
 from kernels.device import tileiras_env, tileiras_path
 from kernels.ssd import (DEFAULT_CHUNK_SIZE, REFERENCE_CAPABILITY, STATE_SCAN_CHUNK_SIZE,
-                         ProblemKey, StagePipeline, launch_stages, make_plan)
+                         ProblemKey, StagePipeline, dispatch_rules, launch_stages, make_plan)
 from kernels.tile_ops import kernel_signature, launch_constraint
 
 TARGETS = ("sm_80", "sm_90", "sm_100")
@@ -104,7 +104,9 @@ def _small(x, bc, Q, H, P, N, G, **kw) -> ProblemKey:
 
 
 # (name, key, state_dtype, precision[, knobs]); None = the default (for precision, what 'auto'
-# picks); knobs ({plan field: {config field: value}}) override what the dispatcher picked.
+# picks); knobs ({plan field: {config field: value}}) override what the dispatcher picked, their
+# "ssd" item ({NAME: value}) plans the recipe under those dispatch constants
+# (``kernels.ssd.dispatch_rules``: a rule written but not yet dispatched).
 COVERING_KEYS = (
     ("anchor-b8-L4096-h64", _anchor(8, 4096, 64, 1), None, None),
     ("anchor-b4-L8192-h32-g8", _anchor(4, 8192, 32, 8), None, None),
@@ -238,14 +240,15 @@ COVERING_KEYS = (
     ("b1-L65536-h64-q64-packed-start-final-states-walk-segments",
      replace(_anchor(1, 65536, 64, 1, seq_dtype=i64, start_dtype=f32), chunk_size=64), None,
      None),
-    # Packed prefills by cu_seqlens returning varlen states (bench --shapes packed's layers): the
-    # walk stores the state entering each end's chunk, chunk_state adds the ends' increments
+    # Packed prefills by cu_seqlens returning varlen states (bench --shapes packed's layers) where
+    # the walk takes them (kernels.ssd.WALK_VARLEN_STATES, off until a GPU runs them): it stores
+    # the state entering each end's chunk, chunk_state adds the ends' increments
     # (kernels.fwd_pass_state.add_sequence_end_increments); unsplit at 128 heads in 8 groups,
     # split into four segments at 80 heads.
     *((f"b1-L16384-h{nheads}{name}-q64-packed-varlen-layer-walk{walk}",
        replace(_anchor(1, 16384, nheads, groups, seq_dtype=i32, cu_dtype=i32, nseq=8,
                        varlen=True, has_d=True, has_bias=True, softplus=True), chunk_size=64),
-       None, None)
+       None, None, {"ssd": {"WALK_VARLEN_STATES": True}})
       for nheads, name, groups, walk in ((128, "-g8", 8, ""), (80, "", 1, "-segments"))),
     ("int64-b1-L139264-h256-q64-out-only-fused",
      replace(_anchor(1, 139264, 256, 1), chunk_size=64, states_returned=False), None, None),
@@ -513,8 +516,11 @@ def covering_variants(capability: int = REFERENCE_CAPABILITY) -> list[Variant]:
     ``kernels.ssd.walk_max_dstate`` does), in first-seen order."""
     found: dict[tuple, Variant] = {}
     for recipe, key, state_dtype, precision, *knobs in COVERING_KEYS:
-        plan = make_plan(key, state_dtype, precision,
-                         capability=capability).with_knobs(knobs[0] if knobs else {})
+        knobs = dict(knobs[0]) if knobs else {}
+        rules = {(name, None): value for name, value in knobs.pop("ssd", {}).items()}
+        with dispatch_rules(rules):
+            plan = make_plan(key, state_dtype, precision, capability=capability)
+        plan = plan.with_knobs(knobs)
         for kernel, cfg, signature in launch_signatures(key, plan):
             ident = (kernel, cfg, repr(signature.parameters))
             if ident in found:

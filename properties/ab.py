@@ -40,7 +40,6 @@ cases it finished; an existing file is never overwritten.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import re
@@ -258,25 +257,6 @@ def parse_rule(text: str, path: str, value: Any) -> tuple[tuple[str, str | None]
     return (name, key if dot else None), coerce("--arm", "ssd", path, type(current), value)
 
 
-@contextlib.contextmanager
-def dispatch_rules(rules: dict):
-    """kernels.ssd's dispatch constants as ``rules`` set them, within (a dict's item in a copy
-    of the dict); the plan cache is cleared going in and coming out, so that a plan made within
-    is the rules' and one made after is the dispatcher's."""
-    saved = []
-    try:
-        for (name, key), value in rules.items():
-            current = getattr(ssd, name)
-            saved.append((name, current))
-            setattr(ssd, name, value if key is None else {**current, key: value})
-        ssd._plan.cache_clear()
-        yield
-    finally:
-        for name, current in reversed(saved):
-            setattr(ssd, name, current)
-        ssd._plan.cache_clear()
-
-
 def apply_arm(plan, arm: Arm):
     """``plan`` with the arm's changes, or a str saying why the arm does not apply to it: it
     changes a config the plan holds but does not launch (the walk's plan keeps compute_out's)."""
@@ -356,7 +336,7 @@ def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = 
         replanned = base
         if arm.replans(problem.chunk_size):
             try:
-                with dispatch_rules(arm.rules):
+                with ssd.dispatch_rules(arm.rules):
                     replanned = ssd.stage_pipeline(
                         dataclasses.replace(problem, chunk_size=arm.replanned(problem.chunk_size)),
                         precision=arm.precision, varlen=case.spec.return_varlen_states)
@@ -452,7 +432,7 @@ def compile_case(case: Case, arms: list[Arm], target: str, done: dict) -> dict:
         replanned = base
         if arm.replans(key.chunk_size):
             try:
-                with dispatch_rules(arm.rules):
+                with ssd.dispatch_rules(arm.rules):
                     replanned = ssd.make_plan(arm_key, precision=arm.precision,
                                               capability=variants.target_capability(target))
             except ssd.SSDInputError as exc:

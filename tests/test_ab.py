@@ -135,14 +135,14 @@ def test_dispatch_constants_hold_while_the_arm_is_planned_and_no_longer():
     arm = ab.parse_arm("nowalk ssd.SCAN_OUT_MIN_ROW_HEADS=1024 ssd.WALK_MIN_SPLIT_ROW_HEADS=1024 "
                        "ssd.WALK_PAIRING.input=[64,1.5] ssd.WALK_PAIRING.2xfp16=[32,1.4]")
     pairing = ssd.WALK_PAIRING
-    with ab.dispatch_rules(arm.rules):
+    with ssd.dispatch_rules(arm.rules):
         assert ssd.SCAN_OUT_MIN_ROW_HEADS == 1024
         assert ssd.WALK_PAIRING == {**pairing, "input": (64, 1.5), "2xfp16": (32, 1.4)}
         assert not _walks(key)      # planned anew, not the plan cached before
     assert ssd.WALK_PAIRING is pairing and pairing["input"] != (64, 1.5)
     assert ssd.SCAN_OUT_MIN_ROW_HEADS != 1024
     assert ssd.make_plan(key, capability=90) == before
-    with pytest.raises(RuntimeError), ab.dispatch_rules(arm.rules):
+    with pytest.raises(RuntimeError), ssd.dispatch_rules(arm.rules):
         raise RuntimeError("an arm that fails to plan")
     assert ssd.SCAN_OUT_MIN_ROW_HEADS != 1024 and _walks(key)
 
@@ -473,7 +473,7 @@ def test_each_arms_record_says_what_it_runs_beside_the_dispatched_plan():
     kernels the walk does not launch, and of the cumsum only its chunk size."""
     key = ab.case_key(ab.parse_case("1,16384,80,64,128,1 return_final_states=true", 64).spec)
     four = ssd.make_plan(key)
-    with ab.dispatch_rules({("WALK_FOUR_MAX_ROUNDS", None): 0}):
+    with ssd.dispatch_rules({("WALK_FOUR_MAX_ROUNDS", None): 0}):
         two = ssd.make_plan(key)
     assert (four.walk_segments, four.segment_split) == (4, 1)
     dispatched = _StandInPipeline(_Chunked(64), four)

@@ -183,15 +183,14 @@ def test_a_packed_call_of_ours_replays_its_kernels_and_mamba_ssm_gets_its_cu_seq
     assert seen["seq_idx"] is problem.seq_idx
 
 
-def test_ours_runs_the_call_planned_with_its_varlen_states(monkeypatch):
-    # ours' row is ssd_forward's default call, planned with the varlen states it returns: the
-    # first packed layer walks at chunk 64 and the walk stores them (kernels/scan_out.py; chunk
-    # 256's kernels until 2026-12-08). Until 2026-12-07 the row planned as if none were asked
-    # for and timed chunk 64's kernels where the call ran chunk 256's.
+def test_ours_runs_the_chunk_size_its_call_picks_where_varlen_states_decide_it(monkeypatch):
+    # ours' row is ssd_forward's default call, whose pick counts varlen states: the first packed
+    # layer runs chunk 256 (at 64 without varlen states the walk would take it, states unwritten).
+    # Until 2026-12-07 the row planned as if none were asked for and timed chunk 64's kernels.
     import kernels.ssd as ssd
     spec = bench.bench_shapes("packed", None)[0].spec
     assert spec.return_varlen_states and not spec.per_sequence_initial_states
-    problem = build_problem(dataclasses.replace(spec, chunk_size=256))
+    problem = build_problem(dataclasses.replace(spec, chunk_size=64))
     monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
     launched = []
     monkeypatch.setattr(ssd, "launch_stages", lambda pipeline: (
@@ -199,9 +198,16 @@ def test_ours_runs_the_call_planned_with_its_varlen_states(monkeypatch):
     ours = next(bench.our_contenders(problem))
     ours.captured.call()
     (pipeline,) = launched
-    assert pipeline.problem.chunk_size == ssd.default_chunk_size(problem) == 64
-    assert pipeline.varlen and pipeline.plan.scan_out.varlen
-    assert pipeline.plan.named_configs()[-1] == ("varlen_states", pipeline.plan.chunk_state)
+    assert pipeline.problem.chunk_size == ssd.default_chunk_size(problem) == 256
+    assert ssd.default_chunk_size(dataclasses.replace(problem, return_varlen_states=False)) == 64
+    # Where the walk takes varlen states (a rule written, not yet dispatched), the row walks at 64
+    # and stores them.
+    with ssd.dispatch_rules({("WALK_VARLEN_STATES", None): True}):
+        launched.clear()
+        next(bench.our_contenders(problem)).captured.call()
+        (pipeline,) = launched
+        assert pipeline.problem.chunk_size == ssd.default_chunk_size(problem) == 64
+        assert pipeline.plan.named_configs()[-1] == ("varlen_states", pipeline.plan.chunk_state)
 
 
 def test_error_slices_of_the_anchors():

@@ -288,6 +288,8 @@ def _grid(name: str, cfg, problem, plan) -> tuple:
     if name == "entering_states":
         return (b * H * math.ceil(P / cfg.p_block),)
     per_row = H * math.ceil(P / cfg.p_block) * math.ceil(N / cfg.n_block)
+    if name == "varlen_states":     # chunk_state over the sequences' ends alone
+        return (nseq * per_row,)
     return ((nchunks + nseq) * b * per_row,) if name == "chunk_state" else (b * per_row,)
 
 
@@ -315,6 +317,34 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared
     with recorded_launches() as launches:
         ssd.run_stages(problem, precision=precision)
     named = plan.named_configs()
+    assert len(launches) == len(named)
+    for (grid, kernel, args), (name, cfg) in zip(launches, named):
+        assert kernel is cfg.kernel, cfg.describe()
+        params = cfg.signature().parameters
+        assert len(args) == len(params), cfg.describe()
+        for i, (constraint, arg) in enumerate(zip(params, args)):
+            assert _constraint_matches(constraint, arg), f"{cfg.describe()}: argument {i}: {arg!r}"
+        assert grid == _grid(name, cfg, problem, plan), name
+
+
+@pytest.mark.parametrize("nheads, seqlen", [(128, 1000), (48, 16400)])
+def test_the_walk_launches_its_varlen_states_kernels_as_compiled(monkeypatch, nheads, seqlen):
+    """Where the walk takes varlen states (``ssd.WALK_VARLEN_STATES``, a rule not yet
+    dispatched), the host code passes the walk (unsplit at 128 heads, in segments at 48) and
+    chunk_state over the sequences' ends the dtypes, ranks, scalars and constants their configs'
+    signatures describe, over grids that cover every output tile once."""
+    monkeypatch.setattr(ssd, "require_gpu", lambda x: None)
+    spec = ProblemSpec(batch=1, seqlen=seqlen, nheads=nheads, headdim=64, dstate=128,
+                       chunk_size=64, x_dtype="bf16", bc_dtype="bf16",
+                       cu_seqlens=(0, 100, 640, 641, seqlen), return_varlen_states=True)
+    problem = build_problem(spec)
+    with ssd.dispatch_rules({("WALK_VARLEN_STATES", None): True}):
+        plan = ssd.make_plan(ssd._key(problem, True, None))
+        with recorded_launches() as launches:
+            ssd.run_stages(problem)
+    named = plan.named_configs()
+    assert named[-1] == ("varlen_states", plan.chunk_state)
+    assert plan.scan_out.varlen and plan.scan_out.segmented == (nheads == 48)
     assert len(launches) == len(named)
     for (grid, kernel, args), (name, cfg) in zip(launches, named):
         assert kernel is cfg.kernel, cfg.describe()

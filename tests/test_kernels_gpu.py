@@ -961,15 +961,26 @@ def test_packed_sequences_walk_split_and_pass_the_rule(nheads, dstate, D, z, ini
 PREFILL_OFFSETS = (0, 40, 64, 65, 130, 200, 201, 202, 203, 640, 899, 900)
 
 
+@pytest.fixture
+def walk_takes_varlen_states():
+    """Plans made within take the walk for calls returning varlen states
+    (``kernels.ssd.WALK_VARLEN_STATES``, a rule written but not yet dispatched)."""
+    from kernels import ssd
+    with ssd.dispatch_rules({("WALK_VARLEN_STATES", None): True}):
+        yield
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("nheads, ngroups, z, final_states, pass_seq_idx, cu_dtype", [
     (128, 8, False, False, True, torch.int32), (128, 1, True, True, False, torch.int64)])
-def test_packed_prefills_walk_and_store_their_varlen_states(nheads, ngroups, z, final_states,
+def test_packed_prefills_walk_and_store_their_varlen_states(walk_takes_varlen_states, nheads,
+                                                            ngroups, z, final_states,
                                                             pass_seq_idx, cu_dtype):
     """One row of 128 heads packed by cu_seqlens (``PREFILL_OFFSETS``; with seq_idx or alone)
     returning varlen states at chunk_size None, as a serving engine's prefill calls it (D per
-    head, dt's bias and softplus): the walk of kernels/scan_out.py unsplit, one block an SM,
+    head, dt's bias and softplus), where the walk takes varlen states
+    (``walk_takes_varlen_states``): the walk of kernels/scan_out.py unsplit, one block an SM,
     storing the state entering each end's chunk, then chunk_state over the ends alone
     (kernels.fwd_pass_state.add_sequence_end_increments); with z and final states too. out and
     the final and varlen states held to the rule against float64 and equal to what chunk 256's
@@ -993,10 +1004,12 @@ def test_packed_prefills_walk_and_store_their_varlen_states(nheads, ngroups, z, 
 @requires_gpu
 @large
 @pytest.mark.parametrize("nheads, z, final_states", [(80, False, False), (24, True, True)])
-def test_packed_prefills_walk_split_and_store_their_varlen_states(nheads, z, final_states):
+def test_packed_prefills_walk_split_and_store_their_varlen_states(walk_takes_varlen_states,
+                                                                  nheads, z, final_states):
     """One row of 16,400 tokens packed by cu_seqlens at the split walk's seams
     (``_packed_at_seams``: sequences ending at a part's last position, one of one token at the
-    second segment's first) returning varlen states at chunk_size None: the walk split into
+    second segment's first) returning varlen states at chunk_size None, where the walk takes
+    varlen states (``walk_takes_varlen_states``): the walk split into
     segments (four at 80 heads, in parts at 24), the states-only walk from zero, the segments'
     entering states, then the walk storing the state entering each end's chunk and chunk_state
     over the ends; with z and final states too. out and the final and varlen states held to the

@@ -279,8 +279,9 @@ def test_calls_returning_final_states_walk_with_float32_grade_increments():
     """From 128 (row, head) pairs a bf16 call that returns final states runs at chunk 64 as the
     walk, its state update in '3xbf16' (``ssd.state_precision``'s mode for returned states), its
     out in 'input'; not where every stage is handed back (``ssd_forward_stages``: the chunk
-    states too). With varlen states (one row of 128 heads) the walk stores the state entering
-    each end's chunk and chunk_state adds the ends' increments in '3xbf16', float32 ones."""
+    states too), nor yet with varlen states (``ssd.WALK_VARLEN_STATES``): under that rule the
+    walk of one row of 128 heads stores the state entering each end's chunk and chunk_state adds
+    the ends' increments in '3xbf16', float32 ones."""
     key = anchor_key()
     assert ssd.default_chunk_size(_meta_problem(key, return_final_states=True)) == 64
     returned = replace(key, chunk_size=64, states_returned=True)
@@ -290,8 +291,11 @@ def test_calls_returning_final_states_walk_with_float32_grade_increments():
         "input"
     stages = ssd.make_plan(replace(returned, chunk_states_returned=True))
     assert stages.scan_out is None and "chunk_state" in dict(stages.named_configs())
-    varlen = ssd.make_plan(replace(returned, batch=1, nheads=128, varlen=True,
-                                   seq_dtype=torch.int32, cu_dtype=torch.int32, nseq=2))
+    row = replace(returned, batch=1, nheads=128, varlen=True, seq_dtype=torch.int32,
+                  cu_dtype=torch.int32, nseq=2)
+    assert ssd.make_plan(row).scan_out is None
+    with ssd.dispatch_rules({("WALK_VARLEN_STATES", None): True}):
+        varlen = ssd.make_plan(row)
     assert (varlen.scan_out.varlen, varlen.scan_out.state_precision) == (True, "3xbf16")
     ends = varlen.chunk_state
     assert (ends.adds_entering, ends.varlen, ends.has_seq, ends.precision,
@@ -305,9 +309,10 @@ def test_packed_sequences_walk_and_scan_as_unpacked_calls_do():
     split into segments, and the fused state scan with compute_out (64 to 127 pairs too short to
     split), in the same kernels: only chunk_cumsum differs, putting the resets in the cumsum
     from seq_idx in its dtype (kernels/chunk_cumsum.py), and compute_out reads no seq_idx. With
-    varlen states the walks store them too (one launch more: chunk_state over the ends), where
-    the fused scan gives way to chunk 256's kernels, which mask by seq_idx, as they do with
-    per-sequence starts (the test below)."""
+    per-sequence starts or varlen states chunk 256's kernels mask by seq_idx (the test below);
+    where the walk takes varlen states (``ssd.WALK_VARLEN_STATES``, a rule not yet dispatched)
+    it stores them too (one launch more: chunk_state over the ends), and the fused scan's calls
+    keep chunk 256's kernels."""
     fused = replace(anchor_key(), chunk_size=64, states_returned=False)
     long_row = replace(fused, batch=1, seqlen=65536)
     assert ssd.make_plan(long_row).walk_segments > 1
@@ -332,11 +337,13 @@ def test_packed_sequences_walk_and_scan_as_unpacked_calls_do():
     walked = (replace(fused, **one_row), replace(long_row, **{**one_row, "nheads": 64}))
     scanned = replace(fused, **{**one_row, "nheads": 64})
     for row in (*walked, scanned):
-        plan = ssd.make_plan(replace(row, per_seq_start=True, start_dtype=torch.float32))
-        assert plan.scan_out is plan.state_scan is None
-        assert plan.cumsum.seq_dtype is None and plan.out.has_seq
+        for change in (dict(per_seq_start=True, start_dtype=torch.float32), dict(varlen=True)):
+            plan = ssd.make_plan(replace(row, **change))
+            assert plan.scan_out is plan.state_scan is None, change
+            assert plan.cumsum.seq_dtype is None and plan.out.has_seq, change
         plain = ssd.make_plan(replace(row, states_returned=True))
-        plan = ssd.make_plan(replace(row, varlen=True))
+        with ssd.dispatch_rules({("WALK_VARLEN_STATES", None): True}):
+            plan = ssd.make_plan(replace(row, varlen=True))
         if row is scanned:
             assert plan.scan_out is plan.state_scan is None
             assert plan.cumsum.seq_dtype is None and plan.out.has_seq
