@@ -293,6 +293,20 @@ def _grid(name: str, cfg, problem, plan) -> tuple:
     return ((nchunks + nseq) * b * per_row,) if name == "chunk_state" else (b * per_row,)
 
 
+def _assert_launches_match(launches, problem, plan) -> None:
+    """The recorded (grid, kernel, args) of ``plan``'s launches on ``problem``: each kernel its
+    config's, its arguments of the config's signature, its grid ``_grid``'s."""
+    named = plan.named_configs()
+    assert len(launches) == len(named)
+    for (grid, kernel, args), (name, cfg) in zip(launches, named):
+        assert kernel is cfg.kernel, cfg.describe()
+        params = cfg.signature().parameters
+        assert len(args) == len(params), cfg.describe()
+        for i, (constraint, arg) in enumerate(zip(params, args)):
+            assert _constraint_matches(constraint, arg), f"{cfg.describe()}: argument {i}: {arg!r}"
+        assert grid == _grid(name, cfg, problem, plan), name
+
+
 @pytest.mark.parametrize("spec", LAUNCH_SPECS, ids=lambda s: s.describe())
 @pytest.mark.parametrize("precision", [None, "ieee", "tf32"])
 @pytest.mark.parametrize("shared_scores", [False, True])
@@ -316,15 +330,7 @@ def test_launches_match_compiled_signatures(monkeypatch, spec, precision, shared
     plan = ssd.make_plan(key, None, precision)
     with recorded_launches() as launches:
         ssd.run_stages(problem, precision=precision)
-    named = plan.named_configs()
-    assert len(launches) == len(named)
-    for (grid, kernel, args), (name, cfg) in zip(launches, named):
-        assert kernel is cfg.kernel, cfg.describe()
-        params = cfg.signature().parameters
-        assert len(args) == len(params), cfg.describe()
-        for i, (constraint, arg) in enumerate(zip(params, args)):
-            assert _constraint_matches(constraint, arg), f"{cfg.describe()}: argument {i}: {arg!r}"
-        assert grid == _grid(name, cfg, problem, plan), name
+    _assert_launches_match(launches, problem, plan)
 
 
 @pytest.mark.parametrize("nheads, seqlen", [(128, 1000), (48, 16400)])
@@ -342,17 +348,9 @@ def test_the_walk_launches_its_varlen_states_kernels_as_compiled(monkeypatch, nh
         plan = ssd.make_plan(ssd._key(problem, True, None))
         with recorded_launches() as launches:
             ssd.run_stages(problem)
-    named = plan.named_configs()
-    assert named[-1] == ("varlen_states", plan.chunk_state)
+    assert plan.named_configs()[-1] == ("varlen_states", plan.chunk_state)
     assert plan.scan_out.varlen and plan.scan_out.segmented == (nheads == 48)
-    assert len(launches) == len(named)
-    for (grid, kernel, args), (name, cfg) in zip(launches, named):
-        assert kernel is cfg.kernel, cfg.describe()
-        params = cfg.signature().parameters
-        assert len(args) == len(params), cfg.describe()
-        for i, (constraint, arg) in enumerate(zip(params, args)):
-            assert _constraint_matches(constraint, arg), f"{cfg.describe()}: argument {i}: {arg!r}"
-        assert grid == _grid(name, cfg, problem, plan), name
+    _assert_launches_match(launches, problem, plan)
 
 
 def _h200_kernel_names() -> list[str]:
