@@ -117,23 +117,42 @@ EXAMPLES = (_layer(8, 4096, 64), _layer(1, 65536, 64), _layer(1, 65536, 64, stat
             _layer(1, 16384, 20, states_returned=True), _layer(70000, 64, 8))
 
 
+# Packed prefills returning varlen states (bench --shapes packed's first layer, and Codestral's
+# 128 heads), planned where the walk takes them (``_rules``): split in four, and unsplit.
+VARLEN_EXAMPLES = tuple(_layer(1, 16384, nheads, ngroups=ngroups, seq_dtype=torch.int32,
+                               cu_dtype=torch.int32, nseq=8, varlen=True, states_returned=True)
+                        for nheads, ngroups in ((24, 1), (128, 8)))
+
+
 def on_examples(**others):
     """``example`` for each of EXAMPLES in the default precision, ``others`` the test's other
-    arguments."""
+    arguments (and each of VARLEN_EXAMPLES under the walk's varlen rule, where the test draws
+    it)."""
     def decorate(test):
         for key in EXAMPLES:
             test = example(call=(key, None), **others)(test)
+        if "walk_varlen_states" in others:
+            for key in VARLEN_EXAMPLES:
+                test = example(call=(key, None), **{**others, "walk_varlen_states": True})(test)
         return test
     return decorate
 
 
+def _rules(walk_varlen_states: bool) -> dict:
+    """The dispatch rules a drawn call is planned under: with ``walk_varlen_states`` the walk
+    takes varlen states (``ssd.WALK_VARLEN_STATES``, a rule written but not yet dispatched)."""
+    return {("WALK_VARLEN_STATES", None): True} if walk_varlen_states else {}
+
+
 @given(call=planned_calls(), state_dtype=st.sampled_from((None, *ssd.STATE_DTYPES)),
-       gpu=st.sampled_from(GPUS))
-@on_examples(state_dtype=None, gpu=(132, 90))
-def test_every_plan_launches_its_kernels_on_grids_cuda_can_launch(call, state_dtype, gpu):
+       gpu=st.sampled_from(GPUS), walk_varlen_states=st.booleans())
+@on_examples(state_dtype=None, gpu=(132, 90), walk_varlen_states=False)
+def test_every_plan_launches_its_kernels_on_grids_cuda_can_launch(call, state_dtype, gpu,
+                                                                  walk_varlen_states):
     key, precision = call
     sms, capability = gpu
-    plan = ssd.make_plan(key, state_dtype, precision, sms, capability)
+    with ssd.dispatch_rules(_rules(walk_varlen_states)):
+        plan = ssd.make_plan(key, state_dtype, precision, sms, capability)
     # The launches are the plan's kernels, in its order, each with the signature of its config
     # (launch_signatures asserts both).
     assert [name for name, _, _ in launch_signatures(key, plan)] == [
@@ -144,18 +163,19 @@ def test_every_plan_launches_its_kernels_on_grids_cuda_can_launch(call, state_dt
         assert all(1 <= n <= limit for n, limit in zip(grid, GRID_LIMITS)), (grid, plan)
 
 
-@given(call=planned_calls())
-@on_examples()
-def test_the_chunk_size_pick_agrees_with_the_plan_it_picks(call):
+@given(call=planned_calls(), walk_varlen_states=st.booleans())
+@on_examples(walk_varlen_states=False)
+def test_the_chunk_size_pick_agrees_with_the_plan_it_picks(call, walk_varlen_states):
     # ssd_forward(chunk_size=None) picks the chunk by default_chunk_size and then plans at it:
     # 64 where a fused kernel (the state scan or the walk) takes the call, which the plan at 64
     # must then hold; 256 where none would. (ssd_forward_stages plans at the problem's own size.)
     key, precision = call
     key = dataclasses.replace(key, chunk_states_returned=False)
     problem = dataclasses.replace(launch_problem(key), return_final_states=key.states_returned)
-    picked = ssd.default_chunk_size(problem, precision)
-    at_64 = ssd.make_plan(dataclasses.replace(key, chunk_size=ssd.STATE_SCAN_CHUNK_SIZE),
-                          None, precision)
+    with ssd.dispatch_rules(_rules(walk_varlen_states)):
+        picked = ssd.default_chunk_size(problem, precision)
+        at_64 = ssd.make_plan(dataclasses.replace(key, chunk_size=ssd.STATE_SCAN_CHUNK_SIZE),
+                              None, precision)
     fused = at_64.state_scan is not None or at_64.scan_out is not None
     assert picked == (ssd.STATE_SCAN_CHUNK_SIZE if fused else ssd.DEFAULT_CHUNK_SIZE)
 
