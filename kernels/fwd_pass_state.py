@@ -197,7 +197,8 @@ def increment_tile(x, B, dt, log2_decay_cumsum, A, seq_idx, start_states, cu_seq
         # The walk of kernels/scan_out.py left the state entering the end's chunk here: the
         # end's state as state_passing forms it from its own (w_seq * h + inc_seq).
         entering = ct.load(increment, (batch, target, head, p_block, n_block),
-                           shape=(1, 1, 1, P_BLOCK, N_BLOCK)).reshape((P_BLOCK, N_BLOCK))
+                           shape=(1, 1, 1, P_BLOCK, N_BLOCK),
+                           padding_mode=ZERO).reshape((P_BLOCK, N_BLOCK))
         acc = weight * entering + acc
 
     ct.store(increment, (batch, target, head, p_block, n_block),
