@@ -25,8 +25,9 @@ After a first call of each (compiling it) and a warm-up round, ``--rounds`` roun
 (``properties.bench.CudaTimer``); the order rotates each round, so no arm always follows the
 same one. Recorded per arm: what it runs beside the dispatched plan (``plan_record``: chunk
 size, segments, changed config fields), the median, its ratio to the dispatched plan's, whether
-out and final states equal the dispatched plan's bit for bit, the largest difference, and out's
-error against the float64 reference (as the bench's rows).
+out and the final and varlen states equal the dispatched plan's bit for bit, out's largest
+difference and the states', and out's error against the float64 reference (as the bench's
+rows).
 
 ``--compile sm_90`` (any target tileiras knows) needs no GPU: it compiles each case's kernels as
 the dispatcher plans them for that target on the H200's SM count, and each arm's, as their
@@ -290,16 +291,23 @@ def interleaved_times(calls: dict[str, Callable[[], Any]], rounds: int, reps: in
 
 
 def compare(outs: dict, base: str = DISPATCHED) -> dict:
-    """name -> bit_equal (out and final states equal ``base``'s bit for bit) and
-    max_abs_diff (out's largest difference from ``base``'s)."""
-    ref_out, ref_states = outs[base]
+    """name -> bit_equal (out and the final and varlen states equal ``base``'s bit for bit),
+    max_abs_diff (out's largest difference from ``base``'s) and, where both return states,
+    states_max_abs_diff (the states' largest difference). ``outs``: name -> (out, final
+    states or None[, varlen states or None])."""
+    ref_out, *ref_states = outs[base]
     found = {}
-    for name, (out, states) in outs.items():
-        equal = torch.equal(out, ref_out) and (
-            (states is None and ref_states is None)
-            or (states is not None and ref_states is not None and torch.equal(states, ref_states)))
+    for name, (out, *states) in outs.items():
+        pairs = list(zip(states, ref_states, strict=True))
+        equal = torch.equal(out, ref_out) and all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in pairs)
         found[name] = dict(bit_equal=bool(equal),
                            max_abs_diff=float((out.double() - ref_out.double()).abs().max()))
+        diffs = [float((a.double() - b.double()).abs().max()) for a, b in pairs
+                 if a is not None and b is not None]
+        if diffs:
+            found[name]["states_max_abs_diff"] = max(diffs)
     return found
 
 
@@ -368,7 +376,7 @@ def run_case(case: Case, arms: list[Arm], rounds: int, reps: int, device: str = 
         except Exception as exc:  # an arm that fails to compile or launch: recorded, not fatal
             entry["failed"] = f"{type(exc).__name__}: {exc}"[:2000]
             continue
-        outs[name] = (result.out, result.final_states)
+        outs[name] = (result.out, result.final_states, result.varlen_states)
         entry["error"] = error_metrics(result.out[:rows, :, :heads], exact,
                                        DTYPES[case.spec.x_dtype])
         calls[name] = lambda pipeline=pipeline: ssd.launch_stages(pipeline)
@@ -455,8 +463,10 @@ def format_record(record: dict) -> list[str]:
             layout = "" if plan is None else (f"  Q{plan['chunk_size']}, {plan['walk_segments']} "
                                               f"segments, {plan['segment_split']} parts")
             lines.append(f"  {name:14s} {arm['ms']:8.4f} ms {arm['ratio']:6.3f}x  bit-equal "
-                         f"{arm['bit_equal']!s:5s} max diff {arm['max_abs_diff']:.3g}  normwise "
-                         f"{arm['error']['normwise_rel']:.3g}{layout}")
+                         f"{arm['bit_equal']!s:5s} max diff {arm['max_abs_diff']:.3g}"
+                         + (f" (states {arm['states_max_abs_diff']:.3g})"
+                            if "states_max_abs_diff" in arm else "")
+                         + f"  normwise {arm['error']['normwise_rel']:.3g}{layout}")
         elif "kernels" in arm:
             # An arm's line names the kernels whose compile differs from the dispatched plan's.
             as_dispatched = record["arms"][DISPATCHED]["kernels"] if name != DISPATCHED else {}

@@ -184,17 +184,20 @@ def test_rounds_interleave_the_arms_in_a_rotating_order():
     assert timed["a"][:2] == [2.0, 2.0] and timed["a"][2:4] == [12.0, 12.0]
 
 
-def test_comparison_is_bit_for_bit_on_out_and_final_states():
-    out, states = torch.ones(2, 3), torch.zeros(2)
+def test_comparison_is_bit_for_bit_on_out_and_final_and_varlen_states():
+    out, states, varlen = torch.ones(2, 3), torch.zeros(2), torch.zeros(3)
     nudged = out.clone()
     nudged[1, 2] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
-    found = ab.compare({"dispatched": (out, states), "same": (out.clone(), states.clone()),
-                        "nudged": (nudged, states), "states": (out, states + 1),
-                        "no_states": (out, None)})
+    found = ab.compare({"dispatched": (out, states, varlen),
+                        "same": (out.clone(), states.clone(), varlen.clone()),
+                        "nudged": (nudged, states, varlen), "states": (out, states + 1, varlen),
+                        "varlen": (out, states, varlen - 2), "no_states": (out, None, None)})
     assert {name: f["bit_equal"] for name, f in found.items()} == dict(
-        dispatched=True, same=True, nudged=False, states=False, no_states=False)
+        dispatched=True, same=True, nudged=False, states=False, varlen=False, no_states=False)
     assert found["nudged"]["max_abs_diff"] == pytest.approx(2.0 ** -23)
     assert found["states"]["max_abs_diff"] == 0.0
+    assert {name: f.get("states_max_abs_diff") for name, f in found.items()} == dict(
+        dispatched=0.0, same=0.0, nudged=0.0, states=1.0, varlen=2.0, no_states=None)
 
 
 @dataclasses.dataclass
