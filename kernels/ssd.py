@@ -1432,7 +1432,8 @@ def _plan(key: ProblemKey, state_dtype: torch.dtype, precision: Optional[str],
             segment_states = replace(
                 walk, start_dtype=f32, has_start=False, has_d=False, has_z=False,
                 shared_scores=False, computes_out=False, update_early=False, x_latency=0,
-                b_latency=0, out_transposed=False, varlen=False, backward=walks_states_backward(key, n_pad),
+                b_latency=0, out_transposed=False, varlen=False,
+                backward=walks_states_backward(key, n_pad),
                 occupancy=walk_occupancy(key, mode, sms, capability, (segments - 1) * parts))
             entering = EnteringStatesConfig(start_dtype=key.start_dtype or f32, chunk_size=Q,
                                             p_block=min(p_pad, ENTERING_P_BLOCK), n_pad=n_pad,
