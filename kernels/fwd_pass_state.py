@@ -44,6 +44,11 @@ reports/h200/experiments/ncu_anchor1_4f66ebf.txt.gz): state_passing_kernel 0.13 
 experiments/ncu_anchor0_6106f85.txt.gz): a latency hint of 6 on its x and B loads took the states
 stage from 0.52 to 0.43 ms at the first anchor, 10 from 0.26 to 0.24 at the second (tuner, bf16
 chunk states, 5b56790; the sm_90 cubins differ with the hint).
+``adds_entering``: chunk_state launched over the sequences' ends alone, after the walk of
+kernels/scan_out.py has stored the state entering each end's chunk where the end's state goes
+(``add_sequence_end_increments``): each tile adds its carry weight times that state to its
+increment in place, the sum state_passing forms, with the resets read from the cumsum (no
+sequence index). Where ``kernels.ssd.WALK_VARLEN_STATES`` lets the walk take varlen states.
 ``persistent`` (a tuner knob, ``KernelVariant.launch_blocks``) launches chunk_state as the
 blocks the SMs hold at once, each walking tiles ``ct.num_blocks(0)`` apart; at the first anchor
 it lost (0.317 ms against 0.288, experiments/tune_1f159b8_chunk_state_anchor0_out_alone.json.gz).

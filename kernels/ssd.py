@@ -13,7 +13,8 @@ is ``kernels.contract``).
 
 At chunk 64, for bf16 and fp16 calls of many (row, head) pairs that return out alone or with
 final states, the last two stages run as one kernel that stores no chunk state (kernels/scan_out.py;
-``walk_state_precision``).
+``walk_state_precision``; with varlen states too, chunk_state then over the sequences' ends, where
+WALK_VARLEN_STATES lets it: off until a GPU has run it).
 
 Precision (``precision=``; kernels/tile_ops.py says what each mode computes). Errors below are
 normwise relative vs float64, measured on the H200 (kernels/gpu_report.py):
