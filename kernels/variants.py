@@ -103,6 +103,11 @@ def _small(x, bc, Q, H, P, N, G, **kw) -> ProblemKey:
                       chunk_size=Q, x_dtype=x, b_dtype=b_dtype, c_dtype=c_dtype, **kw)
 
 
+# A packed call returning varlen states at chunk 64, too few pairs for a fused kernel.
+PACKED_VARLEN = _small(bf16, bf16, 64, 8, 128, 32, 2, z_dtype=bf16, seq_dtype=i32, cu_dtype=i32,
+                       nseq=4, varlen=True, has_d=True)
+
+
 # (name, key, state_dtype, precision[, knobs]); None = the default (for precision, what 'auto'
 # picks); knobs ({plan field: {config field: value}}) override what the dispatcher picked, their
 # "ssd" item ({NAME: value}) plans the recipe under those dispatch constants
@@ -280,9 +285,10 @@ COVERING_KEYS = (
                               start_dtype=bf16), bf16, "ieee"),
     ("fp16x-bf16b-fp16c-q128-tf32", _small(f16, (bf16, f16), 128, 8, 64, 16, 4, z_dtype=f16),
      f32, "tf32"),
-    ("bf16-q64-input-packed", _small(bf16, bf16, 64, 8, 128, 32, 2, z_dtype=bf16,
-                                     seq_dtype=i32, cu_dtype=i32, nseq=4, varlen=True,
-                                     has_d=True), bf16, "input"),
+    ("bf16-q64-input-packed", PACKED_VARLEN, bf16, "input"),
+    # state_passing's A/B knob: its varlen loop stores entering states, the host finishes them.
+    ("bf16-q64-input-packed-varlen-entering", PACKED_VARLEN, bf16, "input",
+     {"state_passing": {"varlen_entering": True}}),
     ("anchor-b8-L4096-h64-2xbf16", _anchor(8, 4096, 64, 1), f32, "2xbf16"),
     # bf16 x walks in '2xbf16' where a call opts in (kernels.ssd.WALK_MODES), its state update in
     # '3xbf16' out alone and with final states (kernels.ssd.state_precision), two blocks an SM up

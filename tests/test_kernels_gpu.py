@@ -245,6 +245,28 @@ def test_chunk_state_tuner_knobs_compute_the_same_states(x_dtype, precision, kno
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("x_dtype", ["bf16", "fp32"])
+def test_state_passing_storing_entering_states_gives_the_same_varlen_states(x_dtype):
+    """``varlen_entering`` (state_passing's A/B knob): its varlen loop stores the state entering
+    each end's chunk and the host adds the ends' weights and increments: chunk and final states
+    bit for bit the default's, varlen states equal to float32 roundings."""
+    from dataclasses import replace
+    problem = _knob_problem(x_dtype)
+    pipeline = stage_pipeline(problem)
+    results = []
+    for entering in (False, True):
+        passing = replace(pipeline.plan.state_passing, varlen_entering=entering)
+        knobbed = replace(pipeline, plan=replace(pipeline.plan, state_passing=passing))
+        dt, cumsum = knobbed.cumsum()
+        results.append(knobbed.states(dt, cumsum))
+    (chunks, final, varlen), (chunks_e, final_e, varlen_e) = results
+    assert torch.equal(chunks, chunks_e) and torch.equal(final, final_e)
+    tol = relation_tolerance(torch.float32, float(varlen.abs().max()))
+    assert float((varlen.double() - varlen_e.double()).abs().max()) <= tol
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_nan_stays_in_its_row_head_channel_and_chunk():
     """A NaN in x reaches out of its (row, head, channel) from its chunk's start on, and nothing
     else. (Positions before it in its chunk are reached too: the intra-chunk matmul multiplies
